@@ -1,0 +1,41 @@
+"""Tiny random-init models of every supported family, built from configs (no download)."""
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers.utils import logging
+
+logging.set_verbosity_error()
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 12}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+}
+
+
+def make_model(family: str = "llama", attn: str = "sdpa", seed: int = 0, dtype=torch.float32, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    return model_cls(config).to(dtype).eval()
+
+
+def calibration_ids(n: int = 8, seq: int = 48, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, COMMON["vocab_size"], (n, seq), generator=g)
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(params=["pre_rope", "post_rope"])
+def mode(request):
+    return request.param

@@ -1,0 +1,86 @@
+"""generate() through the patched model, and the bytes the cache really holds."""
+
+import pytest
+import torch
+from conftest import calibration_ids, make_model
+
+import patchkv
+
+
+def left_padded_batch():
+    ids = calibration_ids(3, 14, seed=11)
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0  # left padding, as generate expects for decoder-only models
+    ids[1, :2], mask[1, :2] = 0, 0
+    return ids, mask
+
+
+def full_rank(model, mode):
+    dim = model.model.layers[0].self_attn.head_dim
+    return patchkv.calibrate(model, calibration_ids(), mode=mode, rank=dim, progress=False)
+
+
+def test_greedy_generate_full_rank_matches_unpatched(family, mode):
+    model = make_model(family)
+    ids, mask = left_padded_batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    reference = model.generate(ids, **kwargs)
+    with patchkv.patched(model, full_rank(model, mode)):
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, reference)
+
+
+def test_sampling_generate_full_rank_matches_unpatched(mode):
+    model = make_model("qwen2")
+    ids, mask = left_padded_batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9, pad_token_id=0)
+    torch.manual_seed(123)
+    reference = model.generate(ids, **kwargs)
+    with patchkv.patched(model, full_rank(model, mode)):
+        torch.manual_seed(123)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, reference)
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@pytest.mark.parametrize("budget", [{"rank": 4}, {"rank": 11}, {"energy": 0.7}])
+def test_cache_holds_latents_and_shrinks_by_the_artifact_ratio(mode, budget):
+    model = make_model("llama")
+    artifact = patchkv.calibrate(model, calibration_ids(), mode=mode, progress=False, **budget)
+    ids, mask = left_padded_batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True)
+    full = model.generate(ids, **kwargs).past_key_values
+    with patchkv.patched(model, artifact):
+        latent = model.generate(ids, **kwargs).past_key_values
+    tokens = ids.shape[1] + 9 - 1  # the last generated token is never fed back
+    assert full.get_seq_length() == latent.get_seq_length() == tokens
+    for layer_idx, layer in enumerate(latent.layers):
+        total = int(artifact.keys.ranks[layer_idx].sum())
+        assert layer.keys.shape == (3, 1, tokens, total)  # packed latents, not [3, kv_heads, tokens, head_dim]
+        assert layer.values.shape[-1] == int(artifact.values.ranks[layer_idx].sum())
+    assert cache_bytes(full) / cache_bytes(latent) == pytest.approx(artifact.compression_ratio())
+    assert cache_bytes(latent) == 3 * tokens * artifact.kv_bytes_per_token()
+    assert cache_bytes(full) == 3 * tokens * artifact.full_kv_bytes_per_token()
+
+
+def test_sliding_window_cache_stays_bounded_with_latents(mode):
+    model = make_model("mistral")  # window of 12
+    artifact = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=6, progress=False)
+    ids = calibration_ids(2, 20, seed=4)
+    with patchkv.patched(model, artifact):
+        out = model.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    layer = out.past_key_values.layers[0]
+    assert layer.keys.shape == (2, 1, 11, 2 * 6)  # sliding_window - 1 latent tokens kept
+
+
+def test_patched_model_without_cache_still_compresses():
+    """use_cache=False (training-style or lm-eval scoring) goes through the same latent path."""
+    model = make_model("llama")
+    artifact = patchkv.calibrate(model, calibration_ids(), rank=3, progress=False)
+    x = calibration_ids(2, 16, seed=5)
+    with patchkv.patched(model, artifact):
+        assert torch.allclose(model(x, use_cache=False).logits, model(x, use_cache=True).logits, atol=1e-5)
