@@ -236,6 +236,19 @@ class Artifact:
         except (KeyError, ValueError) as e:
             raise ArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
 
+    def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True, **kwargs: Any) -> str:
+        """Upload to the Hugging Face Hub with a model card; see `patchkv.hub.push_to_hub`."""
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, token=token, private=private, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, repo_id_or_path: str | Path, **kwargs: Any) -> Artifact:
+        """Load from a local path, or download from the Hub; see `patchkv.hub.from_pretrained`."""
+        from .hub import from_pretrained
+
+        return from_pretrained(repo_id_or_path, **kwargs)
+
     def _validate(self) -> None:
         layers, heads, dim = self.keys.mean.shape
         for kind, c in (("keys", self.keys), ("values", self.values)):

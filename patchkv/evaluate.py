@@ -1,0 +1,150 @@
+"""Accuracy and perplexity of a patched model vs the unpatched one, through lm-eval, against KV bytes."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch import nn
+
+from .artifact import Artifact
+from .patching import patched
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "evals" / "tasks"
+#: task -> (metric reported in tables, True if higher is better)
+HEADLINE = {
+    "patchkv_shakespeare_ppl": ("word_perplexity", False),
+    "patchkv_milton_ppl": ("word_perplexity", False),
+    "patchkv_shakespeare_cloze": ("acc", True),
+}
+DEFAULT_TASKS = tuple(HEADLINE)
+
+
+def task_configs(names: list[str] | tuple[str, ...], tasks_dir: Path = TASKS_DIR) -> list[dict[str, Any]]:
+    """The local YAML task definitions for `names`, with data file paths made absolute."""
+    by_name = {}
+    for path in sorted(Path(tasks_dir).glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        files = config.get("dataset_kwargs", {}).get("data_files", {})
+        for split, rel in files.items():
+            files[split] = str((path.parent / rel).resolve())
+        by_name[config["task"]] = config
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"Unknown task(s) {unknown}; the tasks in {tasks_dir} are {sorted(by_name)}.")
+    return [by_name[n] for n in names]
+
+
+def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ...] = DEFAULT_TASKS,
+              limit: int | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """Run lm-eval's `HFLM` on the model object as it is (patched or not). Returns {task: {metric: value}}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    out = simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, log_samples=False,
+                          bootstrap_iters=0, verbosity="ERROR")
+    return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            for task, metrics in out["results"].items()}
+
+
+@dataclass
+class EvalRow:
+    """One configuration: the unpatched baseline (`artifact` None) or an artifact at its ranks."""
+
+    label: str
+    mode: str
+    budget: str
+    kv_bytes_per_token: int
+    compression: float
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=DEFAULT_TASKS,
+             limit: int | None = None, batch_size: int = 8) -> list[EvalRow]:
+    """Baseline first, then each artifact applied in turn (the model is left unpatched)."""
+    first = artifacts[0] if artifacts else None
+    full = first.full_kv_bytes_per_token() if first else None
+    rows = [EvalRow("unpatched", "-", "-", full or 0, 1.0, _headline(run_tasks(model, tokenizer, tasks, limit,
+                                                                                batch_size)))]
+    for art in artifacts:
+        with patched(model, art):
+            scores = _headline(run_tasks(model, tokenizer, tasks, limit, batch_size))
+        rows.append(EvalRow(f"{art.mode} {budget_label(art)}", art.mode, budget_label(art), art.kv_bytes_per_token(),
+                            art.compression_ratio(), scores))
+    return rows
+
+
+def budget_label(art: Artifact) -> str:
+    sel = art.calibration.get("rank_selection", {})
+    if sel.get("rank") is not None:
+        return f"rank={sel['rank']}"
+    if sel.get("energy") is not None:
+        return f"energy={sel['energy']}"
+    return "ranks=custom"
+
+
+def _headline(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {task: metrics[HEADLINE[task][0]] if task in HEADLINE else next(iter(metrics.values()))
+            for task, metrics in results.items()}
+
+
+def format_table(rows: list[EvalRow]) -> str:
+    """A markdown table: one row per configuration, each task's score and its delta vs the baseline."""
+    base = rows[0].scores
+    tasks = list(base)
+    head = ["config", "mode", "budget", "KV bytes/token", "compression"]
+    head += [f"{t.removeprefix('patchkv_')} ({HEADLINE.get(t, ('score',))[0]})" for t in tasks]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row.label, row.mode, row.budget, str(row.kv_bytes_per_token), f"{row.compression:.2f}x"]
+        for t in tasks:
+            value = row.scores.get(t, float("nan"))
+            delta = "" if row is rows[0] else f" ({value - base[t]:+.3f})"
+            cells.append(f"{value:.3f}{delta}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[EvalRow], path: str | Path) -> None:
+    tasks = list(rows[0].scores)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "mode", "budget", "kv_bytes_per_token", "compression", *tasks,
+                    *[f"delta_{t}" for t in tasks]])
+        for row in rows:
+            w.writerow([row.label, row.mode, row.budget, row.kv_bytes_per_token, f"{row.compression:.4f}",
+                        *[f"{row.scores[t]:.6f}" for t in tasks],
+                        *[f"{row.scores[t] - rows[0].scores[t]:.6f}" for t in tasks]])
+
+
+def plot(rows: list[EvalRow], path: str | Path) -> None:
+    """Each task's score vs compression ratio, one line per mode, the baseline as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(rows[0].scores)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for mode, marker in (("pre_rope", "o"), ("post_rope", "s")):
+            pts = sorted((r.compression, r.scores[task]) for r in rows[1:] if r.mode == mode)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=mode.replace("_", "-"))
+        ax.axhline(rows[0].scores[task], color="gray", linestyle="--", label="unpatched")
+        metric, higher = HEADLINE.get(task, ("score", True))
+        ax.set_title(task.removeprefix("patchkv_"))
+        ax.set_xlabel("KV compression (x)")
+        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        if not higher:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
