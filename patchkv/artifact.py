@@ -127,17 +127,27 @@ class Artifact:
     def element_size(self) -> int:
         return torch.empty(0, dtype=getattr(torch, self.model["dtype"])).element_size()
 
+    def bit_allocation(self, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and
+        token each, by dynamic programming on the eigenvalues (`patchkv.quantize.allocate_bits`)."""
+        from .quantize import allocate_bits
+
+        return allocate_bits(self.keys.eigenvalues, bits), allocate_bits(self.values.eigenvalues, bits)
+
     def full_kv_bytes_per_token(self) -> int:
         """Bytes per token of the uncompressed cache: 2 (K and V) x layers x KV heads x head_dim x element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes per token of the latent cache: the kept components of K and V, summed over layers and heads."""
-        return int(self.keys.ranks.sum() + self.values.ranks.sum()) * self.element_size
+    def kv_bytes_per_token(self, bits: int | None = None) -> int:
+        """Bytes per token of the latent cache: the kept components of K and V, summed over layers and heads;
+        with `bits`, the quantized codes (each layer's K and V codes rounded up to whole bytes)."""
+        if bits is None:
+            return int(self.keys.ranks.sum() + self.values.ranks.sum()) * self.element_size
+        return sum(int(-(-int(a[layer].sum()) // 8)) for a in self.bit_allocation(bits) for layer in range(len(a)))
 
-    def compression_ratio(self) -> float:
+    def compression_ratio(self, bits: int | None = None) -> float:
         """Uncompressed bytes per token divided by latent bytes per token."""
-        return self.full_kv_bytes_per_token() / self.kv_bytes_per_token()
+        return self.full_kv_bytes_per_token() / self.kv_bytes_per_token(bits)
 
     # ----- re-targeting ------------------------------------------------------------------------
     def with_ranks(self, rank: int | None = None, energy: float | None = None) -> Artifact:
@@ -193,7 +203,8 @@ class Artifact:
         """
         file = _resolve(Path(path), creating=True)
         file.parent.mkdir(parents=True, exist_ok=True)
-        save_file(self.tensors(), str(file), metadata={"format": "pt", "patchkv": json.dumps(self.metadata())})
+        # a single metadata entry: safetensors writes metadata keys in hash order, and files must be reproducible
+        save_file(self.tensors(), str(file), metadata={"patchkv": json.dumps(self.metadata())})
         return file
 
     @classmethod

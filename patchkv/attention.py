@@ -18,6 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .adapters import AttentionAdapter
+from .hybrid import CacheOptions, hybrid_attention
 from .latent import LatentBasis
 from .modes import Mode
 from .rope import RopeTable
@@ -27,13 +28,13 @@ class LatentAttentionState(nn.Module):
     """What a patched attention module carries: its layer's key and value bases and the shared helpers."""
 
     def __init__(self, adapter: AttentionAdapter, mode: Mode, keys: LatentBasis, values: LatentBasis,
-                 rope: RopeTable):
+                 rope: RopeTable, options: CacheOptions):
         super().__init__()
         self.keys, self.values = keys, values
-        self.adapter, self.mode, self.rope = adapter, mode, rope
+        self.adapter, self.mode, self.rope, self.options = adapter, mode, rope, options
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode.name}, key_ranks={self.keys.ranks}, value_ranks={self.values.ranks}"
+        return f"mode={self.mode.name}, key_ranks={self.keys.ranks}, value_ranks={self.values.ranks}, {self.options}"
 
 
 def latent_attention_forward(
@@ -49,8 +50,10 @@ def latent_attention_forward(
     input_shape = hidden_states.shape[:-1]
 
     q, k, v = state.adapter.project_qkv(self, hidden_states)
-    q, key_latents = state.mode.compress_keys(state, q, k, position_embeddings)
-    value_latents = state.values.encode(v)
+    q, k = state.mode.keys_for_cache(state, q, k, position_embeddings)
+    if state.options.hybrid:
+        return hybrid_attention(self, state, q, k, v, attention_mask, cache, **kwargs)
+    key_latents, value_latents = state.keys.encode(k), state.values.encode(v)
 
     if cache is not None:
         key_latents, value_latents = cache.update(key_latents, value_latents, self.layer_idx, kwargs=kwargs)

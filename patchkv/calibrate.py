@@ -116,13 +116,8 @@ def _batches(data: Any, tokenizer: Any, seq_len: int, batch_size: int) -> Iterat
     if isinstance(data, str) or (isinstance(data, (list, tuple)) and data and isinstance(data[0], str)):
         if tokenizer is None:
             raise ValueError("Calibrating on text needs a tokenizer: calibrate(model, texts, tokenizer=tokenizer).")
-        texts = [data] if isinstance(data, str) else list(data)
-        ids = tokenizer("\n\n".join(texts), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-        n = ids.numel() // seq_len
-        if n == 0:
-            raise ValueError(f"The text has {ids.numel()} tokens, fewer than seq_len={seq_len}; pass more text "
-                             "or a smaller seq_len.")
-        data = ids[: n * seq_len].view(n, seq_len)
+        yield from _text_batches([data] if isinstance(data, str) else data, tokenizer, seq_len, batch_size)
+        return
     if isinstance(data, torch.Tensor):
         data = data.unsqueeze(0) if data.dim() == 1 else data
         for start in range(0, data.shape[0], batch_size):
@@ -139,6 +134,27 @@ def _batches(data: Any, tokenizer: Any, seq_len: int, batch_size: int) -> Iterat
         if ids.dim() == 1:
             ids, mask = ids.unsqueeze(0), mask.unsqueeze(0)
         yield ids, mask
+
+
+def _text_batches(texts: Iterable[str], tokenizer: Any, seq_len: int, batch_size: int) -> Iterator[Batch]:
+    """Tokenize text by text (lazily: calibration stops at max_tokens) into full `seq_len` windows."""
+    buffer: list[int] = []
+    rows: list[list[int]] = []
+    produced = False
+    for text in texts:
+        buffer += tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
+        while len(buffer) >= seq_len:
+            rows.append(buffer[:seq_len])
+            buffer = buffer[seq_len:]
+            if len(rows) == batch_size:
+                ids, rows, produced = torch.tensor(rows), [], True
+                yield ids, torch.ones_like(ids)
+    if rows:
+        ids = torch.tensor(rows)
+        yield ids, torch.ones_like(ids)
+    elif not produced:
+        raise ValueError(f"The text has {len(buffer)} tokens, fewer than seq_len={seq_len}; pass more text or a "
+                         "smaller seq_len.")
 
 
 def _describe(data: Any) -> str:

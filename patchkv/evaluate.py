@@ -44,11 +44,12 @@ def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ..
     """Run lm-eval's `HFLM` on the model object as it is (patched or not). Returns {task: {metric: value}}."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, log_samples=False,
-                          bootstrap_iters=0, verbosity="ERROR")
+    out = simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, log_samples=False, bootstrap_iters=0,
+                          task_manager=TaskManager(include_defaults=False))  # skip indexing lm-eval's own tasks
     return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for task, metrics in out["results"].items()}
 

@@ -4,6 +4,9 @@ Heads may keep different numbers of components (an energy budget picks them per 
 are stored packed: `[batch, 1, seq, total_rank]`, head h in columns `offsets[h] : offsets[h] + ranks[h]`.
 The cache therefore holds exactly `total_rank` numbers per token and layer, with no padding. For
 compute, `unpack` spreads them to `[batch, kv_heads, seq, max_rank]`, zero-padded.
+
+With a bit allocation (`patchkv.quantize`), the stored form is instead fixed-rate integer codes,
+uint8 `[batch, 1, seq, bytes_per_token]`, and `unpack` dequantizes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .quantize import CoefficientQuantizer
 
 
 class LatentBasis(nn.Module):
@@ -22,9 +27,13 @@ class LatentBasis(nn.Module):
     """
 
     def __init__(self, mean: torch.Tensor, eigenvectors: torch.Tensor, ranks: torch.Tensor, query_groups: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, bits: torch.Tensor | None = None, eigenvalues: torch.Tensor | None = None):
+        """bits: optional `[kv_heads, head_dim]` bits per component (then `ranks` is ignored: a head keeps
+        the components up to its last one with bits); eigenvalues `[kv_heads, head_dim]` set the scales."""
         super().__init__()
         heads, dim = mean.shape
+        if bits is not None:
+            ranks = torch.stack([(row > 0).nonzero().max() + 1 if row.any() else torch.tensor(1) for row in bits])
         ranks = [int(r) for r in ranks]
         self.ranks, self.max_rank, self.total_rank = ranks, max(ranks), sum(ranks)
         self.query_groups = query_groups
@@ -39,10 +48,24 @@ class LatentBasis(nn.Module):
         self.register_buffer("basis", basis.to(dtype), persistent=False)
         self.register_buffer("pack_index", pack_index, persistent=False)
         self.register_buffer("unpack_index", unpack_index, persistent=False)
+        self.quantizer = None
+        if bits is not None:
+            std = eigenvalues[:, : self.max_rank].double().clamp_min(0).sqrt()
+            self.quantizer = CoefficientQuantizer(bits[:, : self.max_rank] * keep, std)
+
+    def bytes_per_token(self, element_size: int) -> int:
+        """What the cache stores per token for this layer: packed floats, or the quantized codes."""
+        return self.quantizer.bytes_per_token if self.quantizer else self.total_rank * element_size
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[batch, kv_heads, seq, head_dim]` -> `[batch, kv_heads, seq, max_rank]`, zero past each head's rank."""
+        return (x - self.mean.unsqueeze(1)) @ self.basis
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[batch, kv_heads, seq, head_dim]` -> packed latents `[batch, 1, seq, total_rank]`."""
-        coeffs = (x - self.mean.unsqueeze(1)) @ self.basis  # [batch, kv_heads, seq, max_rank]
+        """x `[batch, kv_heads, seq, head_dim]` -> packed latents `[batch, 1, seq, total_rank]` (or codes)."""
+        coeffs = self.coefficients(x)
+        if self.quantizer:
+            return self.quantizer.encode(coeffs)
         b, h, s, r = coeffs.shape
         flat = coeffs.transpose(1, 2).reshape(b, s, h * r)
         if not self.uniform:
@@ -51,6 +74,8 @@ class LatentBasis(nn.Module):
 
     def unpack(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed `[batch, 1, seq, total_rank]` -> `[batch, kv_heads, seq, max_rank]`, zero-padded past each rank."""
+        if self.quantizer:
+            return self.quantizer.decode(latents, self.basis.dtype)
         b, _, s, _ = latents.shape
         flat = latents.squeeze(1)
         if not self.uniform:

@@ -19,14 +19,22 @@ if TYPE_CHECKING:
 
 
 class Mode:
-    """How keys are compressed into the cache and what the attention kernel dots queries with."""
+    """Which keys the basis describes, and what the attention kernel dots queries with."""
 
     name: str
+    #: whether cached keys carry their rotation (post-RoPE) or get it at attention time (pre-RoPE)
+    rotated_in_cache: bool
 
-    def compress_keys(self, state: LatentAttentionState, q: torch.Tensor, k: torch.Tensor,
-                      position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_for_cache(self, state: LatentAttentionState, q: torch.Tensor, k: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Un-rotated q `[batch, heads, seq, head_dim]` and k `[batch, kv_heads, seq, head_dim]` ->
-        (q for `score_inputs`, packed key latents `[batch, 1, seq, total_rank]` for the cache)."""
+        (q, k) in the space the key basis was calibrated in."""
+        raise NotImplementedError
+
+    def rotate_for_attention(self, state: LatentAttentionState, q: torch.Tensor,
+                             keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q for the last `q.shape[2]` positions and all full keys `[batch, kv_heads, kv_seq, head_dim]`
+        (as cached) -> rotated queries and keys."""
         raise NotImplementedError
 
     def score_inputs(self, state: LatentAttentionState, q: torch.Tensor,
@@ -38,25 +46,32 @@ class Mode:
 
 class PreRoPE(Mode):
     name = "pre_rope"
+    rotated_in_cache = False
 
-    def compress_keys(self, state, q, k, position_embeddings):
-        return q, state.keys.encode(k)
+    def keys_for_cache(self, state, q, k, position_embeddings):
+        return q, k
 
-    def score_inputs(self, state, q, key_latents):
-        keys = state.keys.decode(state.keys.unpack(key_latents))
+    def rotate_for_attention(self, state, q, keys):
         length, new = keys.shape[2], q.shape[2]
         cos, sin = state.rope(length, like=q)
         rotate = state.adapter.rotate
         return rotate(q, cos[:, length - new:], sin[:, length - new:]), rotate(keys, cos, sin)
 
+    def score_inputs(self, state, q, key_latents):
+        return self.rotate_for_attention(state, q, state.keys.decode(state.keys.unpack(key_latents)))
+
 
 class PostRoPE(Mode):
     name = "post_rope"
+    rotated_in_cache = True
 
-    def compress_keys(self, state, q, k, position_embeddings):
+    def keys_for_cache(self, state, q, k, position_embeddings):
         cos, sin = position_embeddings
         rotate = state.adapter.rotate
-        return rotate(q, cos, sin), state.keys.encode(rotate(k, cos, sin))
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def rotate_for_attention(self, state, q, keys):
+        return q, keys
 
     def score_inputs(self, state, q, key_latents):
         return state.keys.project_queries(q), state.keys.unpack(key_latents)

@@ -54,6 +54,11 @@ def test_round_trip(tmp_path, model, artifact):
     assert patchkv.Artifact.load(file).kv_bytes_per_token() == artifact.kv_bytes_per_token()
 
 
+def test_saved_files_are_reproducible(tmp_path, artifact):
+    first, second = artifact.save(tmp_path / "a.safetensors"), artifact.save(tmp_path / "b.safetensors")
+    assert first.read_bytes() == second.read_bytes()
+
+
 def test_sizes_and_ratio(artifact):
     layers, heads, dim = 2, 2, 16
     assert artifact.full_kv_bytes_per_token() == 2 * layers * heads * dim * 4
@@ -107,7 +112,7 @@ def rewrite_metadata(file, edit):
     meta = json.loads(header["__metadata__"]["patchkv"])
     tensors = load_file(str(file))
     edit(meta, tensors)
-    save_file(tensors, str(file), metadata={"format": "pt", "patchkv": json.dumps(meta)})
+    save_file(tensors, str(file), metadata={"patchkv": json.dumps(meta)})
 
 
 def test_unknown_format_version_is_refused(tmp_path, model, artifact):

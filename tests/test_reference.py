@@ -1,0 +1,94 @@
+"""The shipped reference model and its artifacts, the CLI, and lm-eval on a patched model."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import patchkv
+from patchkv.cli import main as cli
+from patchkv.corpus import shakespeare_held_out
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = ROOT / "artifacts" / "reference-llama"
+BASES = ROOT / "artifacts" / "reference-llama-bases"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    model = AutoModelForCausalLM.from_pretrained(REF, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(REF, local_files_only=True)
+
+
+def held_out_windows(tokenizer, n=8, seq=256):
+    ids = tokenizer(shakespeare_held_out()[0][20_000:120_000], add_special_tokens=False,
+                    return_tensors="pt")["input_ids"][0]
+    return ids[: n * seq].view(n, seq)
+
+
+def token_perplexity(model, windows):
+    with torch.no_grad():
+        return math.exp(model(windows, labels=windows).loss.item())
+
+
+def test_reference_model_is_trained_and_loads_offline(reference):
+    model, tokenizer = reference
+    assert model.config.model_type == "llama" and 5e6 <= model.num_parameters() <= 20e6
+    report = json.loads((REF / "training.json").read_text())
+    ppl = token_perplexity(model, held_out_windows(tokenizer))
+    vocab = model.config.vocab_size
+    assert ppl < vocab / 20, f"held-out perplexity {ppl:.1f}: the model is barely better than uniform ({vocab})"
+    assert report["held_out_token_perplexity"] < vocab / 20
+    text = tokenizer.decode(model.generate(**tokenizer("HAMLET.", return_tensors="pt"), max_new_tokens=12,
+                                           do_sample=False)[0])
+    assert text.startswith("HAMLET.") and len(text) > len("HAMLET.") + 10
+
+
+def test_shipped_artifacts_fit_the_reference_model(reference):
+    model, tokenizer = reference
+    windows = held_out_windows(tokenizer, n=4)
+    base = token_perplexity(model, windows)
+    arts = {mode: patchkv.Artifact.load(BASES / f"{mode}.safetensors") for mode in ("pre_rope", "post_rope")}
+    for mode, art in arts.items():
+        assert art.mode == mode and "shakespeare" in art.calibration["source"]
+        # full rank is lossless; 4x compression costs some perplexity but stays far from broken
+        with patchkv.patched(model, art.with_ranks(rank=model.config.head_dim)):
+            assert token_perplexity(model, windows) == pytest.approx(base, rel=1e-4)
+        with patchkv.patched(model, art.with_ranks(rank=model.config.head_dim // 4)):
+            assert base < token_perplexity(model, windows) < 2 * base
+    # trained keys are more compressible before rotary embedding than after it
+    pre, post = (arts[m].with_ranks(energy=0.9).keys.ranks.float().mean() for m in ("pre_rope", "post_rope"))
+    assert pre < post
+
+
+def test_calibrate_cli_on_corpus(tmp_path):
+    cli(["calibrate", "--model", str(REF), "--data", "corpus", "--mode", "post_rope", "--energy", "0.9",
+         "--max-tokens", "1024", "--seq-len", "256", "--out", str(tmp_path / "bases")])
+    art = patchkv.Artifact.load(tmp_path / "bases")
+    assert art.mode == "post_rope" and art.calibration["tokens"] == 1024
+    assert art.calibration["rank_selection"] == {"rank": None, "energy": 0.9}
+
+
+def test_eval_cli_short_sweep_through_lm_eval(tmp_path, capsys):
+    head_dim = 64
+    cli(["eval", "--model", str(REF), "--artifact", str(BASES / "pre_rope.safetensors"),
+         "--artifact", str(BASES / "post_rope.safetensors"), "--sweep", "--ranks", f"8,{head_dim}",
+         "--tasks", "patchkv_shakespeare_ppl,patchkv_shakespeare_cloze", "--limit", "6",
+         "--out", str(tmp_path), "--name", "sweep"])
+    printed = capsys.readouterr().out
+    assert "| unpatched |" in printed and "pre_rope rank=8" in printed and "post_rope rank=64" in printed
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert [r["config"] for r in rows] == ["unpatched", "pre_rope rank=8", f"pre_rope rank={head_dim}",
+                                           "post_rope rank=8", f"post_rope rank={head_dim}"]
+    base = float(rows[0]["patchkv_shakespeare_ppl"])
+    for row in rows[1:]:
+        delta = float(row["delta_patchkv_shakespeare_ppl"])
+        if row["budget"] == f"rank={head_dim}":  # lossless: lm-eval sees the same model
+            assert abs(delta) < 1e-3 * base and float(row["compression"]) == 1.0
+        else:  # lm-eval really ran the patched model: 8x compression moves perplexity
+            assert delta > 1e-3 * base and float(row["compression"]) == 8.0
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
