@@ -1,6 +1,6 @@
 """Train the shipped reference model: a small Llama on Shakespeare, byte-level BPE, on CPU.
 
-    python evals/train_reference_model.py --out artifacts/reference-llama --minutes 22
+    python evals/train_reference_model.py --out artifacts/reference-llama --minutes 20
 
 Writes an HF-format folder (config.json, model.safetensors, tokenizer files) that
 `AutoModelForCausalLM.from_pretrained` loads offline, plus training.json with the held-out perplexity.
@@ -54,7 +54,7 @@ def perplexity(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_win
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="artifacts/reference-llama")
-    p.add_argument("--minutes", type=float, default=22.0, help="wall-clock training budget")
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)

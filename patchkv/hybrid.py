@@ -164,7 +164,7 @@ def hybrid_attention(attn: nn.Module, state: LatentAttentionState, q: torch.Tens
     layer = hybrid_layer(cache, attn.layer_idx, options)
     layer.append(k, v, state)
     batch, _, seq, _ = q.shape
-    if options.top_k and seq == 1 and layer.middle_len > options.top_k:
+    if options.top_k and seq == 1 and layer.middle_len >= options.top_k:
         out, weights = _sparse_decode(attn, state, layer, q, attention_mask)
     else:
         keys, values = layer.full(state)

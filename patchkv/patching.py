@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 
@@ -90,9 +91,9 @@ def remove(model: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def patched(model: nn.Module, artifact: Artifact) -> Iterator[nn.Module]:
-    """`with patchkv.patched(model, artifact): ...` applies on entry and removes on exit."""
-    apply(model, artifact)
+def patched(model: nn.Module, artifact: Artifact, **options: Any) -> Iterator[nn.Module]:
+    """`with patchkv.patched(model, artifact, **options): ...` applies on entry and removes on exit."""
+    apply(model, artifact, **options)
     try:
         yield model
     finally:
