@@ -59,7 +59,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     elif args.rank or args.energy:
         artifacts = [a.with_ranks(rank=args.rank, energy=args.energy) for a in artifacts]
     tasks = args.tasks.split(",")
-    rows = evaluate(model, tokenizer, artifacts, tasks=tasks, limit=args.limit, batch_size=args.batch_size)
+    options = {k: v for k, v in dict(sink_tokens=args.sink_tokens, window=args.window, bits=args.bits,
+                                     top_k=args.top_k, top_k_rank=args.top_k_rank).items() if v is not None}
+    rows = evaluate(model, tokenizer, artifacts, tasks=tasks, limit=args.limit, batch_size=args.batch_size,
+                    streaming=args.streaming, **options)
     table = format_table(rows)
     print(table)
     if args.out:
@@ -120,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--energy", type=float, help="re-truncate the artifacts to this explained variance")
     e.add_argument("--sweep", action="store_true", help="evaluate every artifact at every rank in --ranks")
     e.add_argument("--ranks", default="8,16,32")
+    e.add_argument("--sink-tokens", type=int, help="keep the first tokens full (default: the artifact's)")
+    e.add_argument("--window", type=int, help="keep the last tokens full")
+    e.add_argument("--bits", type=int, help="quantize latents to this many bits per KV head and token (DP)")
+    e.add_argument("--top-k", type=int, help="decode over the top-k latent-scored middle tokens")
+    e.add_argument("--top-k-rank", type=int, help="components used to score for --top-k")
+    e.add_argument("--streaming", action="store_true",
+                   help="score token by token through the cache (needed for --top-k to have any effect)")
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--dtype", default="float32")
     e.add_argument("--out", help="directory for the CSV, markdown table and (with --sweep) PNG plot")

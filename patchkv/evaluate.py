@@ -17,8 +17,8 @@ from .patching import patched
 TASKS_DIR = Path(__file__).resolve().parents[1] / "evals" / "tasks"
 #: task -> (metric reported in tables, True if higher is better)
 HEADLINE = {
-    "patchkv_shakespeare_ppl": ("word_perplexity", False),
-    "patchkv_milton_ppl": ("word_perplexity", False),
+    "patchkv_shakespeare_ppl": ("byte_perplexity", False),
+    "patchkv_milton_ppl": ("byte_perplexity", False),
     "patchkv_shakespeare_cloze": ("acc", True),
 }
 DEFAULT_TASKS = tuple(HEADLINE)
@@ -40,14 +40,15 @@ def task_configs(names: list[str] | tuple[str, ...], tasks_dir: Path = TASKS_DIR
 
 
 def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ...] = DEFAULT_TASKS,
-              limit: int | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
-    """Run lm-eval's `HFLM` on the model object as it is (patched or not). Returns {task: {metric: value}}."""
+              limit: int | None = None, batch_size: int = 8, lm: Any = None) -> dict[str, dict[str, float]]:
+    """Run lm-eval on the model object as it is (patched or not), through `lm` if given (e.g. a
+    `patchkv.streaming.StreamingLM`), else lm-eval's `HFLM`. Returns {task: {metric: value}}."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    lm = lm or HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, log_samples=False, bootstrap_iters=0,
                           task_manager=TaskManager(include_defaults=False))  # skip indexing lm-eval's own tasks
     return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -67,17 +68,30 @@ class EvalRow:
 
 
 def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=DEFAULT_TASKS,
-             limit: int | None = None, batch_size: int = 8) -> list[EvalRow]:
-    """Baseline first, then each artifact applied in turn (the model is left unpatched)."""
+             limit: int | None = None, batch_size: int = 8, streaming: bool = False,
+             **options: Any) -> list[EvalRow]:
+    """Baseline first, then each artifact applied in turn with `options` (see `patchkv.apply`); the model is
+    left unpatched. With `streaming`, lm-eval scores through the cache token by token (`StreamingLM`)."""
+
+    def scores() -> dict[str, float]:
+        lm = None
+        if streaming:
+            from .streaming import StreamingLM
+
+            lm = StreamingLM(model, tokenizer)
+        return _headline(run_tasks(model, tokenizer, tasks, limit, batch_size, lm=lm))
+
     first = artifacts[0] if artifacts else None
-    full = first.full_kv_bytes_per_token() if first else None
-    rows = [EvalRow("unpatched", "-", "-", full or 0, 1.0, _headline(run_tasks(model, tokenizer, tasks, limit,
-                                                                                batch_size)))]
+    full = first.full_kv_bytes_per_token() if first else 0
+    rows = [EvalRow("unpatched", "-", "-", full, 1.0, scores())]
+    bits = options.get("bits")
+    extras = "".join(f" {k}={v}" for k, v in options.items() if v and k != "bits")
     for art in artifacts:
-        with patched(model, art):
-            scores = _headline(run_tasks(model, tokenizer, tasks, limit, batch_size))
-        rows.append(EvalRow(f"{art.mode} {budget_label(art)}", art.mode, budget_label(art), art.kv_bytes_per_token(),
-                            art.compression_ratio(), scores))
+        with patched(model, art, **options):
+            row_scores = scores()
+        budget = (f"bits={bits}" if bits else budget_label(art)) + extras
+        rows.append(EvalRow(f"{art.mode} {budget}", art.mode, budget, art.kv_bytes_per_token(bits),
+                            art.compression_ratio(bits), row_scores))
     return rows
 
 
@@ -106,8 +120,14 @@ def format_table(rows: list[EvalRow]) -> str:
         cells = [row.label, row.mode, row.budget, str(row.kv_bytes_per_token), f"{row.compression:.2f}x"]
         for t in tasks:
             value = row.scores.get(t, float("nan"))
-            delta = "" if row is rows[0] else f" ({value - base[t]:+.3f})"
-            cells.append(f"{value:.3f}{delta}")
+            higher_is_better = HEADLINE.get(t, ("", True))[1]
+            if row is rows[0]:
+                delta = ""
+            elif higher_is_better:  # accuracies: absolute difference
+                delta = f" ({value - base[t]:+.3f})"
+            else:  # perplexities: relative change
+                delta = f" ({100 * (value / base[t] - 1):+.2f}%)"
+            cells.append(f"{value:.4f}{delta}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -143,8 +163,6 @@ def plot(rows: list[EvalRow], path: str | Path) -> None:
         ax.set_title(task.removeprefix("patchkv_"))
         ax.set_xlabel("KV compression (x)")
         ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
-        if not higher:
-            ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

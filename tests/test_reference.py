@@ -92,3 +92,32 @@ def test_eval_cli_short_sweep_through_lm_eval(tmp_path, capsys):
         else:  # lm-eval really ran the patched model: 8x compression moves perplexity
             assert delta > 1e-3 * base and float(row["compression"]) == 8.0
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_streaming_lm_scores_through_the_cache(reference):
+    from lm_eval.api.instance import Instance
+
+    from patchkv.streaming import StreamingLM
+
+    model, tokenizer = reference
+    context, continuation = "HAMLET.\nTo be, or not to be, that is the question:\n", "Whether 'tis nobler in the mind"
+    request = Instance("loglikelihood", doc={}, arguments=(context, continuation), idx=0)
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+
+    def one_forward() -> float:
+        with torch.no_grad():
+            logprobs = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)
+        return sum(logprobs[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
+
+    lm = StreamingLM(model, tokenizer)
+    assert lm.loglikelihood([request], disable_tqdm=True)[0][0] == pytest.approx(one_forward(), abs=1e-3)
+    art = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
+    with patchkv.patched(model, art):  # plain latent cache: prefill and decode agree, bytes as promised
+        lm = StreamingLM(model, tokenizer)
+        assert lm.loglikelihood([request], disable_tqdm=True)[0][0] == pytest.approx(one_forward(), abs=1e-3)
+        assert lm.kv_bytes_per_token == art.kv_bytes_per_token()
+    with patchkv.patched(model, art, sink_tokens=1, window=2, top_k=4, top_k_rank=4):
+        dense = one_forward()  # a single forward never decodes: top-k does not act
+        sparse = StreamingLM(model, tokenizer).loglikelihood([request], disable_tqdm=True)[0][0]
+    assert abs(sparse - dense) > 1e-2

@@ -1,0 +1,87 @@
+"""An lm-eval model that scores through the KV cache one token at a time, as generation would.
+
+lm-eval's `HFLM` scores a whole sequence in one forward pass. Cache methods that act only when a token
+is decoded (top-k sparse attention, `transformers`' `QuantizedCache`, which attends in full precision
+during prefill) would then look lossless. `StreamingLM` prefills the context and teacher-forces the
+continuation token by token through the cache, so every scored token sees the cache as it really is.
+It also measures the bytes the cache holds per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from .memory import cache_nbytes
+
+
+class StreamingLM(LM):
+    """lm-eval `LM` over a (patched or not) model, batch size 1, scoring by decode steps.
+
+    cache_factory: makes the empty cache for each request (default: the model's `DynamicCache`).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, cache_factory: Callable[[], Any] | None = None,
+                 max_length: int | None = None):
+        super().__init__()
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.cache_factory = cache_factory or (lambda: DynamicCache(config=model.config))
+        self.max_length = max_length or getattr(model.config, "max_position_embeddings", 1024)
+        self.prefix_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        self.bytes_held = self.tokens_held = 0
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Mean over every request of the cache bytes at its end, per token held."""
+        return self.bytes_held / max(self.tokens_held, 1)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def score(self, prefix: list[int], targets: list[int]) -> tuple[float, bool]:
+        """Prefill `prefix`, then decode `targets` one at a time. Returns (sum of log-probs, all greedy)."""
+        cache = self.cache_factory()
+        device = next(self.model.parameters()).device
+        logits = self.model(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True).logits[0, -1]
+        total, greedy = 0.0, True
+        for i, token in enumerate(targets):
+            logprobs = logits.float().log_softmax(-1)
+            total += logprobs[token].item()
+            greedy = greedy and int(logprobs.argmax()) == token
+            if i + 1 < len(targets):
+                step = torch.tensor([[token]], device=device)
+                logits = self.model(input_ids=step, cache=cache, use_cache=True).logits[0, -1]
+        self.bytes_held += cache_nbytes(cache)
+        self.tokens_held += cache.get_seq_length()
+        return total, greedy
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="streaming loglikelihood"):
+            context, continuation = req.args
+            ctx = self._encode(context) if context else [self.prefix_id]
+            whole = self._encode(context + continuation) if context else [self.prefix_id] + self._encode(continuation)
+            targets = whole[len(ctx):] if whole[: len(ctx)] == ctx else self._encode(continuation)
+            keep = self.max_length - len(targets)
+            out.append(self.score(ctx[-keep:], targets))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="streaming rolling loglikelihood"):
+            tokens = self._encode(req.args[0])
+            total, span = 0.0, self.max_length - 1
+            for start in range(0, len(tokens), span):  # disjoint windows, each after the prefix token
+                total += self.score([self.prefix_id], tokens[start:start + span])[0]
+            out.append(total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError("StreamingLM scores; use HFLM (patchkv eval without --streaming) to generate.")
