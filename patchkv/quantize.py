@@ -76,6 +76,10 @@ class CoefficientQuantizer(nn.Module):
         self.register_buffer("bit_component", comp, persistent=False)
         self.register_buffer("bit_shift", shift, persistent=False)
         self.register_buffer("byte_weights", 2 ** torch.arange(8), persistent=False)
+        # decoding as one matmul: bit i of the token's bit string adds 2^bit_shift[i] to component bit_component[i]
+        weight = torch.zeros(self.total_bits, heads * rank)
+        weight[torch.arange(self.total_bits), comp] = (2.0 ** shift).float()
+        self.register_buffer("bit_weight", weight, persistent=False)
 
     def encode(self, coeffs: torch.Tensor) -> torch.Tensor:
         """`[batch, heads, seq, max_rank]` -> packed codes uint8 `[batch, 1, seq, bytes_per_token]`."""
@@ -93,9 +97,9 @@ class CoefficientQuantizer(nn.Module):
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 `[batch, 1, seq, bytes]` -> coefficients `[batch, heads, seq, max_rank]` in `dtype`."""
         b, _, s, _ = codes.shape
-        bitstring = (codes.squeeze(1).long().unsqueeze(-1) >> torch.arange(8, device=codes.device)) & 1
-        bitstring = bitstring.view(b, s, -1)[..., : self.total_bits]
-        idx = torch.zeros(b, s, self.levels.numel(), dtype=torch.long, device=codes.device)
-        idx.index_add_(-1, self.bit_component, bitstring << self.bit_shift)
-        values = (idx.float() + 0.5 - self.levels / 2) * self.step
+        shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+        bitstring = (codes.squeeze(1).unsqueeze(-1) >> shifts) & 1  # uint8 [b, s, bytes, 8]
+        bitstring = bitstring.reshape(b, s, self.bytes_per_token * 8)[..., : self.total_bits]
+        idx = bitstring.float() @ self.bit_weight  # exact: integers below 2^8
+        values = (idx + 0.5 - self.levels / 2) * self.step
         return values.view(b, s, *self.shape).transpose(1, 2).to(dtype)
