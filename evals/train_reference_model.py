@@ -1,6 +1,7 @@
-"""Train the shipped reference model: a small Llama on Shakespeare, byte-level BPE, on CPU.
+"""Train a shipped reference model: a small Llama (or Mistral/Qwen3) on Shakespeare, byte-level BPE, on CPU.
 
     python evals/train_reference_model.py --out artifacts/reference-llama --minutes 20
+    python evals/train_reference_model.py --arch qwen3 --out artifacts/reference-qwen3 --minutes 6
 
 Writes an HF-format folder (config.json, model.safetensors, tokenizer files) that
 `AutoModelForCausalLM.from_pretrained` loads offline, plus training.json with the held-out perplexity.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, PreTrainedModel
 
 from patchkv.corpus import HELD_OUT, shakespeare_held_out, shakespeare_train
 
@@ -42,7 +43,7 @@ def encode(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor
 
 
 @torch.no_grad()
-def perplexity(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_windows: int = 200) -> float:
+def perplexity(model: PreTrainedModel, ids: torch.Tensor, seq_len: int, max_windows: int = 200) -> float:
     model.eval()
     n = min(ids.numel() // seq_len, max_windows)
     windows = ids[: n * seq_len].view(n, seq_len)
@@ -53,6 +54,7 @@ def perplexity(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_win
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen3"], default="llama")
     p.add_argument("--out", default="artifacts/reference-llama")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
     p.add_argument("--vocab", type=int, default=2048)
@@ -71,14 +73,15 @@ def main() -> None:
     train_texts, held_texts = shakespeare_train(), shakespeare_held_out()
     tokenizer = train_tokenizer(train_texts, args.vocab)
     train_ids, held_ids = encode(tokenizer, train_texts), encode(tokenizer, held_texts)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+    config = AutoConfig.for_model(
+        args.arch, vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         head_dim=args.hidden // args.heads, max_position_embeddings=1024, rope_theta=10000.0,
         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **({"sliding_window": 128} if args.arch == "mistral" else {}),
     )
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())
     print(f"{params / 1e6:.2f}M parameters, {train_ids.numel()} train tokens, {held_ids.numel()} held-out tokens")
 

@@ -74,6 +74,7 @@ def latent_attention_forward(
         **kwargs,
     )
 
-    attn_output = state.values.decode_query_heads(latent_output)  # [batch, seq, heads, head_dim]
+    # [batch, seq, heads, max_rank] -> [batch, seq, heads, head_dim]
+    attn_output = state.values.decode_query_heads(latent_output.transpose(1, 2)).transpose(1, 2)
     attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
     return attn_output, attn_weights

@@ -219,13 +219,11 @@ def _sparse_decode(attn: nn.Module, state: LatentAttentionState, layer: HybridLa
 
     picked = gather(coeffs)
     if state.mode.rotated_in_cache:
-        sel_k = picked @ basis[kv_of_head].transpose(1, 2) + mean[kv_of_head].unsqueeze(1)
+        sel_k = state.keys.decode_query_heads(picked)
     else:
         cos_sel, sin_sel = cos[0, positions[chosen]], sin[0, positions[chosen]]  # [batch, heads, top_k, dim]
         sel_k = kernels.reconstruct_rope(picked.contiguous(), basis[kv_of_head], mean[kv_of_head], cos_sel, sin_sel)
-    v_basis, v_mean = state.values.basis, state.values.mean
-    sel_v = gather(state.values.unpack(p["middle_v"])) @ v_basis[kv_of_head].transpose(1, 2)
-    sel_v = sel_v + v_mean[kv_of_head].unsqueeze(1)
+    sel_v = state.values.decode_query_heads(gather(state.values.unpack(p["middle_v"])))
 
     full_k = torch.cat([p["sink_k"], p["recent_k"]], dim=2)  # [batch, kv_heads, sinks + window, dim]
     full_v = torch.cat([p["sink_v"], p["recent_v"]], dim=2)

@@ -95,10 +95,10 @@ class LatentBasis(nn.Module):
         return q @ self.basis.repeat_interleave(self.query_groups, dim=0)
 
     def decode_query_heads(self, coeffs: torch.Tensor) -> torch.Tensor:
-        """Attention outputs in latent space `[batch, seq, heads, max_rank]` -> `[batch, seq, heads, head_dim]`.
-
-        Exact because attention weights sum to one: sum_j p_j (mean + U c_j) = mean + U sum_j p_j c_j.
+        """Latents per query head `[batch, heads, n, max_rank]` -> `[batch, heads, n, head_dim]`, each head
+        decoded with its KV head's basis. Used for attention outputs computed on value latents: exact because
+        attention weights sum to one, sum_j p_j (mean + U c_j) = mean + U sum_j p_j c_j.
         """
         basis = self.basis.repeat_interleave(self.query_groups, dim=0)  # [heads, head_dim, max_rank]
         mean = self.mean.repeat_interleave(self.query_groups, dim=0)  # [heads, head_dim]
-        return torch.einsum("bshr,hdr->bshd", coeffs, basis) + mean
+        return coeffs @ basis.transpose(1, 2) + mean.unsqueeze(1)
