@@ -1,6 +1,6 @@
 """Accuracy and perplexity at equal KV bytes, every method measured in one run.
 
-    python evals/bench_accuracy_vs_bytes.py --limit-ppl 20 --limit-cloze 200 --out evals/results
+    python evals/bench_accuracy_vs_bytes.py --limit-ppl 10 --limit-cloze 100 --out evals/results
 
 The reference model runs in bfloat16 (so "x vs fp16" is what the cache really saves). Every row is
 scored by lm-eval through `StreamingLM`: the context is prefilled and each scored token is decoded
@@ -62,8 +62,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "artifacts" / "reference-llama"))
     p.add_argument("--bases", default=str(ROOT / "artifacts" / "reference-llama-bases"))
-    p.add_argument("--limit-ppl", type=int, default=20, help="documents per perplexity task")
-    p.add_argument("--limit-cloze", type=int, default=200, help="questions of the cloze task")
+    p.add_argument("--limit-ppl", type=int, default=10, help="documents per perplexity task")
+    p.add_argument("--limit-cloze", type=int, default=100, help="questions of the cloze task")
     p.add_argument("--only", help="comma-separated row numbers to run (default all)")
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
     args = p.parse_args()

@@ -5,6 +5,7 @@ encoded to latents before they reach the cache, the attention kernel runs on wha
 (see `patchkv.modes`), and attention outputs are decoded from value latents before `o_proj`.
 The cache is whatever `transformers` passes in (a `DynamicCache` under `generate`): it stores the
 packed latents `[batch, 1, seq, total_rank]` in place of `[batch, kv_heads, seq, head_dim]` tensors.
+With sinks, a recent window or top-k decoding, layers hand over to `patchkv.hybrid` instead.
 """
 
 from __future__ import annotations

@@ -84,6 +84,10 @@ class LatentBasis(nn.Module):
 
     def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
         """`[batch, kv_heads, seq, max_rank]` -> reconstructed vectors `[batch, kv_heads, seq, head_dim]`."""
+        if coeffs.device.type == "cpu" and coeffs.dtype != torch.float32:
+            # CPUs without half-precision matrix units run this GEMM over the whole cache many times slower
+            decoded = coeffs.float() @ self.basis.float().transpose(1, 2) + self.mean.float().unsqueeze(1)
+            return decoded.to(coeffs.dtype)
         return coeffs @ self.basis.transpose(1, 2) + self.mean.unsqueeze(1)
 
     def project_queries(self, q: torch.Tensor) -> torch.Tensor:

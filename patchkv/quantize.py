@@ -76,10 +76,11 @@ class CoefficientQuantizer(nn.Module):
         self.register_buffer("bit_component", comp, persistent=False)
         self.register_buffer("bit_shift", shift, persistent=False)
         self.register_buffer("byte_weights", 2 ** torch.arange(8), persistent=False)
-        # decoding as one matmul: bit i of the token's bit string adds 2^bit_shift[i] to component bit_component[i]
-        weight = torch.zeros(self.total_bits, heads * rank)
-        weight[torch.arange(self.total_bits), comp] = (2.0 ** shift).float()
-        self.register_buffer("bit_weight", weight, persistent=False)
+        # each component's bits are contiguous in the bit string: a prefix sum of weighted bits decodes them all
+        ends = torch.cumsum(b, 0)
+        self.register_buffer("bit_value", 2 ** shift, persistent=False)
+        self.register_buffer("code_end", ends, persistent=False)
+        self.register_buffer("code_start", ends - b, persistent=False)
 
     def encode(self, coeffs: torch.Tensor) -> torch.Tensor:
         """`[batch, heads, seq, max_rank]` -> packed codes uint8 `[batch, 1, seq, bytes_per_token]`."""
@@ -100,6 +101,7 @@ class CoefficientQuantizer(nn.Module):
         shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
         bitstring = (codes.squeeze(1).unsqueeze(-1) >> shifts) & 1  # uint8 [b, s, bytes, 8]
         bitstring = bitstring.reshape(b, s, self.bytes_per_token * 8)[..., : self.total_bits]
-        idx = bitstring.float() @ self.bit_weight  # exact: integers below 2^8
-        values = (idx + 0.5 - self.levels / 2) * self.step
+        prefix = nn.functional.pad((bitstring.to(torch.int32) * self.bit_value).cumsum(-1, dtype=torch.int32), (1, 0))
+        idx = prefix.index_select(-1, self.code_end) - prefix.index_select(-1, self.code_start)
+        values = (idx.float() + 0.5 - self.levels / 2) * self.step
         return values.view(b, s, *self.shape).transpose(1, 2).to(dtype)
