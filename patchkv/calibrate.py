@@ -70,19 +70,19 @@ def calibrate(
     seen = sequences = 0
     bar = tqdm(total=max_tokens, desc="patchkv calibrate", unit="tok", disable=not progress)
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()
     try:
         with torch.no_grad():
             for input_ids, attention_mask in _batches(texts_or_dataloader, tokenizer, seq_len, batch_size):
-                keep = attention_mask.bool().clone()
-                keep[:, :sink_tokens] = False
+                # real tokens past each row's first sink_tokens (left padding does not count as a position)
+                keep = attention_mask.bool() & (attention_mask.cumsum(1) > sink_tokens)
                 over = int(keep.sum()) - (max_tokens - seen)
                 if over > 0:  # drop the surplus from the end so exactly max_tokens are counted
                     flat = keep.flatten()
                     flat[flat.nonzero().squeeze(1)[-over:]] = False
                     keep = flat.view_as(keep)
                 token_mask[:] = [keep]
-                device = next(model.parameters()).device
                 model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
                 counted = int(keep.sum())
                 seen, sequences = seen + counted, sequences + int(keep.any(1).sum())

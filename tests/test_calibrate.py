@@ -51,3 +51,13 @@ def test_text_needs_a_tokenizer():
 def test_bad_mode():
     with pytest.raises(ValueError, match="pre_rope"):
         patchkv.calibrate(make_model("llama"), calibration_ids(), mode="mid_rope", rank=2, progress=False)
+
+
+def test_sinks_are_the_first_real_tokens_of_left_padded_rows():
+    model = make_model("llama")
+    ids = calibration_ids(2, 16)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # row 0: 11 real tokens after 5 pads
+    art = patchkv.calibrate(model, [{"input_ids": ids, "attention_mask": mask}], rank=2, sink_tokens=3,
+                            progress=False)
+    assert art.calibration["tokens"] == (11 - 3) + (16 - 3)
