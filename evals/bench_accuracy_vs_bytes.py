@@ -66,7 +66,10 @@ def main() -> None:
     p.add_argument("--limit-cloze", type=int, default=100, help="questions of the cloze task")
     p.add_argument("--only", help="comma-separated row numbers to run (default all)")
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing CSV in --out")
     args = p.parse_args()
+    if args.plot_only:
+        return plot(Path(args.out))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -110,6 +113,34 @@ def main() -> None:
                      f"{r['patchkv_shakespeare_cloze']:.3f}{acc} |")
     (out / "accuracy_vs_bytes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(out)
+
+
+def plot(out: Path) -> None:
+    """Each perplexity vs measured KV bytes per token, one marker per method family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(out / "accuracy_vs_bytes.csv")))
+    families = {"unpatched": "black", "QuantizedCache": "tab:red", "PCA": "tab:blue", "DP": "tab:green",
+                "top-k": "tab:purple"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, task in zip(axes, ("patchkv_shakespeare_ppl", "patchkv_milton_ppl")):
+        for family, color in families.items():
+            for post in (False, True):
+                pts = [r for r in rows if family in r["method"] and ("post-RoPE" in r["method"]) == post]
+                if pts:
+                    ax.scatter([float(r["kv_bytes_per_token"]) for r in pts], [float(r[task]) for r in pts],
+                               color=color, marker="^" if post else "o",
+                               label=family + (" (post-RoPE)" if post else ""))
+        ax.legend(fontsize=7)
+        ax.set(xscale="log", xlabel="KV bytes per token (measured, bf16)", ylabel=f"{task} byte-perplexity",
+               title=task.removeprefix("patchkv_"))
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_bytes.png", dpi=130)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
