@@ -222,7 +222,8 @@ def _sparse_decode(attn: nn.Module, state: LatentAttentionState, layer: HybridLa
         sel_k = state.keys.decode_query_heads(picked)
     else:
         cos_sel, sin_sel = cos[0, positions[chosen]], sin[0, positions[chosen]]  # [batch, heads, top_k, dim]
-        sel_k = kernels.reconstruct_rope(picked.contiguous(), basis[kv_of_head], mean[kv_of_head], cos_sel, sin_sel)
+        sel_k = kernels.reconstruct_rope(picked.contiguous(), state.keys.query_basis, state.keys.query_mean,
+                                         cos_sel, sin_sel)
     sel_v = state.values.decode_query_heads(gather(state.values.unpack(p["middle_v"])))
 
     full_k = torch.cat([p["sink_k"], p["recent_k"]], dim=2)  # [batch, kv_heads, sinks + window, dim]

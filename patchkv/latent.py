@@ -36,7 +36,6 @@ class LatentBasis(nn.Module):
             ranks = torch.stack([(row > 0).nonzero().max() + 1 if row.any() else torch.tensor(1) for row in bits])
         ranks = [int(r) for r in ranks]
         self.ranks, self.max_rank, self.total_rank = ranks, max(ranks), sum(ranks)
-        self.query_groups = query_groups
         self.uniform = len(set(ranks)) == 1
         keep = torch.arange(self.max_rank).unsqueeze(0) < torch.tensor(ranks).unsqueeze(1)  # [heads, max_rank]
         basis = eigenvectors[:, :, : self.max_rank] * keep.unsqueeze(1)
@@ -48,6 +47,9 @@ class LatentBasis(nn.Module):
         self.register_buffer("basis", basis.to(dtype), persistent=False)
         self.register_buffer("pack_index", pack_index, persistent=False)
         self.register_buffer("unpack_index", unpack_index, persistent=False)
+        # the same basis and mean per query head (GQA), built once rather than on every forward
+        self.register_buffer("query_basis", self.basis.repeat_interleave(query_groups, dim=0), persistent=False)
+        self.register_buffer("query_mean", self.mean.repeat_interleave(query_groups, dim=0), persistent=False)
         self.quantizer = None
         if bits is not None:
             std = eigenvalues[:, : self.max_rank].double().clamp_min(0).sqrt()
@@ -96,13 +98,11 @@ class LatentBasis(nn.Module):
         Scores against latent keys then equal scores against reconstructed keys up to a per-query
         constant (q . mean), which softmax ignores.
         """
-        return q @ self.basis.repeat_interleave(self.query_groups, dim=0)
+        return q @ self.query_basis
 
     def decode_query_heads(self, coeffs: torch.Tensor) -> torch.Tensor:
         """Latents per query head `[batch, heads, n, max_rank]` -> `[batch, heads, n, head_dim]`, each head
         decoded with its KV head's basis. Used for attention outputs computed on value latents: exact because
         attention weights sum to one, sum_j p_j (mean + U c_j) = mean + U sum_j p_j c_j.
         """
-        basis = self.basis.repeat_interleave(self.query_groups, dim=0)  # [heads, head_dim, max_rank]
-        mean = self.mean.repeat_interleave(self.query_groups, dim=0)  # [heads, head_dim]
-        return coeffs @ basis.transpose(1, 2) + mean.unsqueeze(1)
+        return coeffs @ self.query_basis.transpose(1, 2) + self.query_mean.unsqueeze(1)
