@@ -2,7 +2,7 @@
 
     python evals/build_tasks.py
 
-Writes evals/tasks/data/{shakespeare_heldout,milton,shakespeare_cloze}.jsonl. The Shakespeare files use
+Writes patchkv/tasks/data/{shakespeare_heldout,milton,shakespeare_cloze}.jsonl. The Shakespeare files use
 only the held-out works (patchkv.corpus.HELD_OUT), never seen in training or calibration.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from patchkv.corpus import milton, shakespeare_held_out
 
-DATA = Path(__file__).parent / "tasks" / "data"
+DATA = Path(__file__).resolve().parents[1] / "patchkv" / "tasks" / "data"
 
 
 def chunks(texts: list[str], lines_per_chunk: int = 40) -> list[str]:

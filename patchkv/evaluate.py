@@ -14,7 +14,7 @@ from torch import nn
 from .artifact import Artifact
 from .patching import patched
 
-TASKS_DIR = Path(__file__).resolve().parents[1] / "evals" / "tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 #: task -> (metric reported in tables, True if higher is better)
 HEADLINE = {
     "patchkv_shakespeare_ppl": ("byte_perplexity", False),

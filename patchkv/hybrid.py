@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from . import kernels
+from .kernels import ops as kernels
 from .errors import PatchKVError
 
 if TYPE_CHECKING:

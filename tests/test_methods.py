@@ -7,7 +7,7 @@ import torch
 from conftest import calibration_ids, make_model
 
 import patchkv
-from patchkv import kernels
+from patchkv.kernels import ops as kernels
 from patchkv.hybrid import HybridLayer
 from patchkv.quantize import GAUSSIAN_MSE, CoefficientQuantizer, allocate_bits
 
