@@ -3,7 +3,7 @@
 Format, version 1
 =================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
-`H` KV heads and head dimension `d`, it holds ten tensors, for `kind` in `keys`, `values`:
+`H` KV heads and head dimension `d`, it holds exactly ten tensors, for `kind` in `keys`, `values`:
 
     {kind}.mean          float32 [L, H, d]     mean of the calibration vectors
     {kind}.eigenvalues   float32 [L, H, d]     variances along each component, descending
@@ -14,7 +14,7 @@ Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, r
 `post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
 without recalibrating; only `ranks` components per head are used at inference.
 
-The safetensors header metadata carries one entry, `"patchkv"`, a JSON object:
+The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
     format_version  1
     mode            "pre_rope" | "post_rope"
@@ -22,12 +22,37 @@ The safetensors header metadata carries one entry, `"patchkv"`, a JSON object:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
                      "dtype"}; `apply` refuses a model whose fields differ (name and
                      architecture class excepted)
-    calibration     free-form summary: source, tokens, sequences, seq_len, sink_tokens,
+    calibration     free-form JSON object: source, tokens, sequences, seq_len, sink_tokens,
                     rank selection
     checksum        "sha256:<hex>" over every tensor (name, dtype, shape, bytes, in name
                     order) and the canonical JSON of the metadata without `checksum`
 
-Loading uses safetensors only: no pickle, no code is executed.
+What is verified
+================
+`Artifact.load` raises `ArtifactError` (naming the file and, for tensor defects, the tensor, layer and
+head) unless all of the following hold, in this order:
+
+1. with `sha256=` given: the sha256 of the file's bytes (what `sha256sum FILE` prints; also
+   `patchkv.artifact.file_sha256`) equals it, as bare hex or "sha256:<hex>". This is not the stored
+   `checksum` field: it covers the whole file, header included. Saved files are byte-for-byte
+   reproducible, so the hash of an artifact is stable.
+2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
+   nested deeper than Python can parse), with exactly the fields above;
+3. `format_version` is the integer 1;
+4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
+5. metadata types: `mode` one of the two strings; `model` an object whose `model_type`, `architecture`,
+   `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
+   `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16, bfloat16, float64;
+   `calibration` an object;
+6. exactly the ten tensors, float32 and (ranks) int32, of the shapes above, agreeing with `model`;
+7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
+   every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
+   max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
+   negative value or an increase no larger than 1e-6 x the head's largest eigenvalue is accepted as
+   round-off (negatives that small are clamped to 0 in memory; the file is not changed).
+
+In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
+file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
 """
 
 from __future__ import annotations
@@ -35,6 +60,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +70,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .errors import ArtifactError, IncompatibleArtifactError
+from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
 from .pca import select_ranks
 
 FORMAT_VERSION = 1
@@ -53,6 +79,16 @@ MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 _CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                    "hidden_size", "dtype")
+_STR_FIELDS = ("model_type", "architecture", "name_or_path")
+_INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
+META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
+TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
+#: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
+ORTHONORMAL_TOL = 1e-4
+#: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
+EIGENVALUE_RTOL = 1e-6
+_SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 
 
 @dataclass
@@ -101,8 +137,12 @@ class Artifact:
 
     def __init__(self, *, mode: str, model: dict[str, Any], keys: Components, values: Components,
                  calibration: dict[str, Any] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise InvalidArtifactError(f"mode must be one of {MODES}, got {mode!r}.")
+        if not isinstance(model, dict):
+            raise InvalidArtifactError(f"model must be a dict of the model's identity fields, got {model!r:.80}.")
+        if calibration is not None and not isinstance(calibration, dict):
+            raise InvalidArtifactError(f"calibration must be a dict (or None), got {calibration!r:.80}.")
         self.mode = mode
         self.model = dict(model)
         self.keys = keys
@@ -159,13 +199,18 @@ class Artifact:
         out.keys.ranks = select_ranks(self.keys.eigenvalues, rank, energy)
         out.values.ranks = select_ranks(self.values.eigenvalues, rank, energy)
         out.calibration["rank_selection"] = {"rank": rank, "energy": energy}
+        for kind in KINDS:
+            _check_ranks(kind, getattr(out, kind).ranks, out.head_dim)
         return out
 
     def to_dtype(self, dtype: torch.dtype) -> Artifact:
         """A copy declared for a model in `dtype` (bases are cast at `apply`). Use when you accept running
         bases calibrated in one precision on a model in another."""
+        name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+        if name not in MODEL_DTYPES:
+            raise InvalidArtifactError(f"to_dtype needs one of torch.{', torch.'.join(MODEL_DTYPES)}, got {dtype!r}.")
         out = copy.deepcopy(self)
-        out.model["dtype"] = dtype_name(dtype)
+        out.model["dtype"] = name
         return out
 
     # ----- compatibility -----------------------------------------------------------------------
@@ -201,51 +246,58 @@ class Artifact:
 
         Returns the file written.
         """
-        file = _resolve(Path(path), creating=True)
+        self._validate()  # attributes may have been changed since construction: never write an invalid file
+        file = _resolve(Path(path).expanduser(), creating=True)
         file.parent.mkdir(parents=True, exist_ok=True)
         # a single metadata entry: safetensors writes metadata keys in hash order, and files must be reproducible
         save_file(self.tensors(), str(file), metadata={"patchkv": json.dumps(self.metadata())})
         return file
 
     @classmethod
-    def load(cls, path: str | Path) -> Artifact:
-        """Read an artifact, verifying format version and checksum. Raises `ArtifactError` on any defect."""
-        file = _resolve(Path(path), creating=False)
+    def load(cls, path: str | Path, *, sha256: str | None = None) -> Artifact:
+        """Read an artifact, verifying everything listed under "What is verified" in the module docstring.
+
+        sha256: optionally, the expected sha256 of the file's bytes (as `sha256sum` prints it), bare hex or
+        "sha256:<hex>". Raises `ArtifactError` on any defect, naming the file.
+        """
+        expected = _parse_sha256(sha256)
+        file = _resolve(Path(path).expanduser(), creating=False)
+        if expected is not None:
+            actual = file_sha256(file)
+            if actual != expected:
+                raise ArtifactError(
+                    f"{file} has sha256 {actual}, expected {expected}: it is not the file you asked for, or it is "
+                    "corrupted. Download or save it again, or check the expected hash."
+                )
         try:
             with safe_open(str(file), framework="pt") as f:
                 header = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
             raise ArtifactError(
                 f"{file} is not a readable safetensors file ({e}). It is truncated or corrupted: "
                 "download or save it again."
             ) from e
         if "patchkv" not in header:
             raise ArtifactError(f"{file} is a safetensors file but not a patchkv artifact (no 'patchkv' metadata).")
+        meta = _parse_metadata(file, header["patchkv"])
+        claimed = meta.pop("checksum")
         try:
-            meta = json.loads(header["patchkv"])
-        except json.JSONDecodeError as e:
-            raise ArtifactError(f"{file}: the 'patchkv' metadata is not valid JSON ({e}); the file is corrupted.") from e
-        version = meta.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ArtifactError(
-                f"{file} has artifact format version {version!r}; this patchkv reads version {FORMAT_VERSION}. "
-                "Install the patchkv version that wrote it, or recalibrate."
-            )
-        claimed = meta.pop("checksum", None)
-        actual = _checksum(tensors, meta)
+            actual = _checksum(tensors, meta)
+        except (TypeError, ValueError, RecursionError) as e:  # pragma: no cover - JSON that parsed re-serialises
+            raise InvalidArtifactError(f"{file}: the 'patchkv' metadata cannot be canonicalised ({e}).") from e
         if claimed != actual:
             raise ArtifactError(
                 f"{file} failed its checksum (stored {claimed}, computed {actual}): the file is corrupted. "
                 "Download or save it again."
             )
         try:
-            parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in ("mean", "eigenvalues", "eigenvectors",
-                                                                         "ranks")))
-                     for kind in KINDS}
-            return cls(mode=meta["mode"], model=meta["model"], calibration=meta.get("calibration"), **parts)
-        except (KeyError, ValueError) as e:
-            raise ArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
+            _check_model_fields(meta["model"])
+            _check_tensor_set(tensors)
+            parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES)) for kind in KINDS}
+            return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"], **parts)
+        except InvalidArtifactError as e:
+            raise InvalidArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
 
     def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True, **kwargs: Any) -> str:
         """Upload to the Hugging Face Hub with a model card; see `patchkv.hub.push_to_hub`."""
@@ -261,20 +313,28 @@ class Artifact:
         return from_pretrained(repo_id_or_path, **kwargs)
 
     def _validate(self) -> None:
-        layers, heads, dim = self.keys.mean.shape
-        for kind, c in (("keys", self.keys), ("values", self.values)):
-            expected = {"mean": (layers, heads, dim), "eigenvalues": (layers, heads, dim),
-                        "eigenvectors": (layers, heads, dim, dim), "ranks": (layers, heads)}
-            for name, shape in expected.items():
-                if tuple(getattr(c, name).shape) != shape:
-                    raise ValueError(f"{kind}.{name} has shape {tuple(getattr(c, name).shape)}, expected {shape}")
-            bad = c.ranks[(c.ranks < 1) | (c.ranks > dim)]
-            if bad.numel():
-                raise ValueError(f"{kind}.ranks must lie in [1, head_dim={dim}], found {bad.tolist()[:4]}")
-        if self.model.get("head_dim") != dim or self.model.get("num_key_value_heads") != heads \
-                or self.model.get("num_hidden_layers") != layers:
-            raise ValueError(f"tensor shapes [layers={layers}, kv_heads={heads}, head_dim={dim}] disagree with "
-                             f"the model metadata {self.model}")
+        """The content checks of the module docstring (step 7), vectorised over layers and heads."""
+        _check_model_fields(self.model)
+        try:
+            json.dumps(self.calibration, sort_keys=True)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise InvalidArtifactError(f"calibration must be JSON-serialisable (it is saved as JSON): {e}") from e
+        for kind in KINDS:
+            if not isinstance(getattr(self, kind), Components):
+                raise InvalidArtifactError(f"{kind} must be a patchkv.artifact.Components, "
+                                           f"got {type(getattr(self, kind)).__name__}.")
+        mean = self.keys.mean
+        if not isinstance(mean, torch.Tensor) or mean.dim() != 3 or 0 in mean.shape:
+            raise InvalidArtifactError(f"keys.mean must be a tensor [layers, kv_heads, head_dim], got "
+                                       f"{tuple(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__}.")
+        layers, heads, dim = mean.shape
+        for kind in KINDS:
+            _check_components(kind, getattr(self, kind), layers, heads, dim)
+        found = {"num_hidden_layers": layers, "num_key_value_heads": heads, "head_dim": dim}
+        diffs = [f"{k}={self.model[k]} (tensors have {v})" for k, v in found.items() if self.model[k] != v]
+        if diffs:
+            raise InvalidArtifactError(f"tensor shapes [layers={layers}, kv_heads={heads}, head_dim={dim}] disagree "
+                                       f"with the model metadata: {', '.join(diffs)}.")
 
     def __repr__(self) -> str:
         return (f"Artifact(mode={self.mode!r}, model={self.model.get('name_or_path') or self.model['model_type']!r}, "
@@ -282,6 +342,150 @@ class Artifact:
                 f"mean key rank={self.keys.ranks.float().mean():.1f}, "
                 f"mean value rank={self.values.ranks.float().mean():.1f}, "
                 f"compression={self.compression_ratio():.2f}x)")
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, "sha256:<hex>" (the hash `Artifact.load(path, sha256=...)` checks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def _parse_sha256(sha256: str | None) -> str | None:
+    if sha256 is None:
+        return None
+    m = _SHA256.fullmatch(sha256.strip()) if isinstance(sha256, str) else None
+    if not m:
+        raise ValueError(f"sha256 must be 64 hex digits, optionally prefixed with 'sha256:', got {sha256!r:.90}.")
+    return "sha256:" + m.group(1).lower()
+
+
+def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
+    """Steps 2-4 of the spec (JSON object, fields, version, checksum field) on the raw 'patchkv' entry."""
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArtifactError(f"{file}: the 'patchkv' metadata is not valid JSON ({e}); the file is "
+                                   "corrupted.") from e
+    except RecursionError as e:
+        raise InvalidArtifactError(f"{file}: the 'patchkv' metadata is nested too deeply to parse; the file is "
+                                   "corrupted or hostile.") from e
+    if not isinstance(meta, dict):
+        raise InvalidArtifactError(f"{file}: the 'patchkv' metadata must be a JSON object, found a JSON "
+                                   f"{_json_type(meta)}; the file is corrupted.")
+    version = meta.get("format_version")
+    if "format_version" in meta and (version != FORMAT_VERSION or not isinstance(version, int)
+                                     or isinstance(version, bool)):
+        raise ArtifactError(
+            f"{file} has artifact format version {version!r}; this patchkv reads version {FORMAT_VERSION}. "
+            "Install the patchkv version that wrote it, or recalibrate."
+        )
+    missing = [k for k in META_FIELDS if k not in meta]
+    extra = sorted(k for k in meta if k not in META_FIELDS)
+    if missing or extra:
+        raise InvalidArtifactError(
+            f"{file}: the 'patchkv' metadata must have exactly the fields {list(META_FIELDS)}"
+            + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else "") + "."
+        )
+    claimed = meta["checksum"]
+    if not isinstance(claimed, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", claimed):
+        raise InvalidArtifactError(f"{file}: checksum must be a string 'sha256:<64 hex digits>', got {claimed!r:.90}.")
+    if not isinstance(meta["mode"], str) or meta["mode"] not in MODES:
+        raise InvalidArtifactError(f"{file}: mode must be one of {MODES}, got {meta['mode']!r:.90}.")
+    for name in ("model", "calibration"):
+        if not isinstance(meta[name], dict):
+            raise InvalidArtifactError(f"{file}: '{name}' must be a JSON object, found a JSON "
+                                       f"{_json_type(meta[name])} ({meta[name]!r:.60}).")
+    return meta
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _check_model_fields(model: dict[str, Any]) -> None:
+    if not isinstance(model, dict):
+        raise InvalidArtifactError(f"model must be an object of identity fields, got {model!r:.80}.")
+    missing = [k for k in (*_STR_FIELDS, *_INT_FIELDS, "dtype") if k not in model]
+    if missing:
+        raise InvalidArtifactError(f"model is missing the field(s) {missing} (see patchkv.artifact.model_identity).")
+    for k in _STR_FIELDS:
+        if not isinstance(model[k], str):
+            raise InvalidArtifactError(f"model.{k} must be a string, got {model[k]!r:.80}.")
+    for k in _INT_FIELDS:
+        if not isinstance(model[k], int) or isinstance(model[k], bool) or model[k] < 1:
+            raise InvalidArtifactError(f"model.{k} must be a positive integer, got {model[k]!r:.80}.")
+    if model["dtype"] not in MODEL_DTYPES:
+        raise InvalidArtifactError(f"model.dtype must be one of {MODEL_DTYPES}, got {model['dtype']!r:.80}.")
+
+
+def _check_tensor_set(tensors: dict[str, torch.Tensor]) -> None:
+    """Step 6: exactly the ten tensors, float32 / int32 as stored in the file."""
+    names = {f"{kind}.{n}" for kind in KINDS for n in TENSOR_NAMES}
+    missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
+    if missing or extra:
+        raise InvalidArtifactError(f"expected exactly the tensors {sorted(names)}"
+                                   + (f"; missing {missing}" if missing else "")
+                                   + (f"; unexpected {extra}" if extra else "") + ".")
+    for name, t in tensors.items():
+        want = torch.int32 if name.endswith(".ranks") else torch.float32
+        if t.dtype != want:
+            raise InvalidArtifactError(f"{name} is stored as {dtype_name(t.dtype)}; the format stores "
+                                       f"{dtype_name(want)}.")
+
+
+def _where(kind: str, name: str, bad: torch.Tensor, what: str) -> InvalidArtifactError:
+    """An error naming the first offending (layer, head) of a `[layers, heads]` mask, and how many there are."""
+    layer, head = (int(i) for i in bad.nonzero()[0][:2])
+    count = int(bad.sum())
+    return InvalidArtifactError(f"{kind}.{name} at layer {layer}, head {head}: {what}"
+                                + (f" ({count} of {bad.numel()} heads are affected)" if count > 1 else "") + ".")
+
+
+def _check_ranks(kind: str, ranks: torch.Tensor, dim: int) -> None:
+    bad = (ranks < 1) | (ranks > dim)
+    if bad.any():
+        raise _where(kind, "ranks", bad, f"ranks must lie in [1, head_dim={dim}], found {ranks[bad].tolist()[:4]}")
+
+
+def _check_components(kind: str, c: Components, layers: int, heads: int, dim: int) -> None:
+    expected = {"mean": (layers, heads, dim), "eigenvalues": (layers, heads, dim),
+                "eigenvectors": (layers, heads, dim, dim), "ranks": (layers, heads)}
+    for name, shape in expected.items():
+        t = getattr(c, name)
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArtifactError(f"{kind}.{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if tuple(t.shape) != shape:
+            raise InvalidArtifactError(f"{kind}.{name} has shape {tuple(t.shape)}, expected {shape}.")
+        allowed = (torch.int32, torch.int64) if name == "ranks" else (torch.float32, torch.float64)
+        if t.dtype not in allowed:
+            raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected "
+                                       f"{' or '.join(dtype_name(d) for d in allowed)}.")
+        if name != "ranks":
+            finite = torch.isfinite(t).reshape(layers, heads, -1).all(-1)
+            if not finite.all():
+                raise _where(kind, name, ~finite, "holds NaN or Inf values")
+    _check_ranks(kind, c.ranks, dim)
+    ev = c.eigenvalues.double()
+    tol = EIGENVALUE_RTOL * ev.abs().amax(-1)  # [layers, heads]
+    negative = (ev < -tol.unsqueeze(-1)).any(-1)
+    if negative.any():
+        raise _where(kind, "eigenvalues", negative,
+                     f"eigenvalues must be >= 0 (variances), found {ev[negative].min().item():.3g}")
+    unsorted = ((ev[..., 1:] - ev[..., :-1]) > tol.unsqueeze(-1)).any(-1)
+    if unsorted.any():
+        raise _where(kind, "eigenvalues", unsorted, "eigenvalues must be sorted in descending order")
+    if (c.eigenvalues < 0).any():  # round-off: clamp, so downstream logs and square roots see >= 0
+        c.eigenvalues = c.eigenvalues.clamp_min(0)
+    v = c.eigenvectors.double()
+    error = (v.mT @ v - torch.eye(dim, dtype=torch.float64)).abs().amax((-2, -1))  # [layers, heads]
+    bad = error > ORTHONORMAL_TOL
+    if bad.any():
+        raise _where(kind, "eigenvectors", bad, f"eigenvectors are not orthonormal: max |VᵀV - I| = "
+                     f"{error[bad].max().item():.3g} > {ORTHONORMAL_TOL:g}")
 
 
 def _resolve(path: Path, *, creating: bool) -> Path:

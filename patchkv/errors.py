@@ -19,3 +19,14 @@ class IncompatibleArtifactError(PatchKVError):
 
 class AlreadyPatchedError(PatchKVError):
     """`apply` was called on a model that is already patched."""
+
+
+class InvalidArtifactError(ArtifactError, ValueError):
+    """An artifact's contents break the format spec: wrong metadata types, non-finite values, non-orthonormal
+    eigenvectors, unsorted or negative eigenvalues, ranks out of range. Raised at construction and at load; also a
+    `ValueError`, which `Artifact(...)` raised for such defects before this class existed."""
+
+
+class HubError(ArtifactError):
+    """An artifact could not be fetched from (or pushed to) the Hugging Face Hub: unknown repo, revision or file,
+    no network, or a download that stays corrupted after one fresh re-download."""
