@@ -12,6 +12,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import yaml
 
 
+def front_matter(card: str) -> str:
+    """The YAML between a model card's opening `---` line and the next `---` line ('' if there is none)."""
+    lines = card.split("\n")
+    if not lines or lines[0] != "---" or "---" not in lines[1:]:
+        return ""
+    return "\n".join(lines[1:lines.index("---", 1)])
+
+
 class FakeHub:
     def __init__(self):
         self.repos: dict[str, dict] = {}  # repo_id -> {"private": bool, "files": {path: bytes}, "commits": int}
@@ -44,8 +52,7 @@ class FakeHub:
                     return self._json(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id, "id": repo_id})
                 if path == "/api/validate-yaml":  # the model card's front matter must at least parse
                     content = json.loads(self._body())["content"]
-                    front = content.split("---")[1] if content.startswith("---") else content
-                    yaml.safe_load(front)
+                    yaml.safe_load(front_matter(content))
                     return self._json(200, {"warnings": [], "errors": []})
                 m = re.fullmatch(r"/api/models/(.+)/(preupload|commit)/([^/]+)", path)
                 if not m or m.group(1) not in hub.repos:
