@@ -6,13 +6,15 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .base import AttentionAdapter
+from .gemma3 import Gemma3Adapter
 from .llama import LlamaAdapter
 from .mistral import MistralAdapter
+from .phi3 import Phi3Adapter
 from .qwen import Qwen2Adapter, Qwen3Adapter
 
 ADAPTERS: dict[str, AttentionAdapter] = {
     model_type: adapter
-    for adapter in (LlamaAdapter(), MistralAdapter(), Qwen2Adapter(), Qwen3Adapter())
+    for adapter in (LlamaAdapter(), MistralAdapter(), Qwen2Adapter(), Qwen3Adapter(), Phi3Adapter(), Gemma3Adapter())
     for model_type in adapter.model_types
 }
 
@@ -26,7 +28,7 @@ def adapter_for(model: nn.Module) -> AttentionAdapter:
         raise UnsupportedModelError(
             f"patchkv has no adapter for model_type={model_type!r}. "
             f"Supported architectures: {', '.join(SUPPORTED_MODEL_TYPES)}. "
-            "Use a model of one of these families, or add an adapter in patchkv/adapters/."
+            "Use a model of one of these families, or add an adapter module in adapters/ (see adapters/base.py)."
         )
     return ADAPTERS[model_type]
 

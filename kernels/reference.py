@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[..., 2m]` -> `[-x[m:], x[:m]]`: the rotate-half RoPE convention of the transformers families."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) -> torch.Tensor:

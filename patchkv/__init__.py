@@ -2,21 +2,24 @@
 
     artifact = patchkv.calibrate(model, texts, tokenizer=tok, mode="pre_rope", energy=0.9)
     artifact.save("bases/")
-    patchkv.apply(model, patchkv.Artifact.load("bases/"))   # the cache now holds latents
+    patchkv.apply(model, patchkv.Artifact.load("bases/"))   # generate() now keeps a patchkv.LatentCache
     patchkv.remove(model)                                   # back to the original model
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES
 from .artifact import FORMAT_VERSION, Artifact
+from .cache import LatentCache, LatentLayer
 from .calibrate import calibrate
 from .errors import (AlreadyPatchedError, ArtifactError, IncompatibleArtifactError, PatchKVError,
                      UnsupportedModelError)
+from .methods import METHODS, LowRank, Quantized, SinksWindow, TopK, parse_method
 from .patching import apply, is_patched, patched, remove
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FORMAT_VERSION", "SUPPORTED_MODEL_TYPES", "AlreadyPatchedError", "Artifact", "ArtifactError",
-    "IncompatibleArtifactError", "PatchKVError", "UnsupportedModelError", "apply", "calibrate", "is_patched",
-    "patched", "remove",
+    "FORMAT_VERSION", "METHODS", "SUPPORTED_MODEL_TYPES", "AlreadyPatchedError", "Artifact", "ArtifactError",
+    "IncompatibleArtifactError", "LatentCache", "LatentLayer", "LowRank", "PatchKVError", "Quantized",
+    "SinksWindow", "TopK", "UnsupportedModelError", "apply", "calibrate", "is_patched", "parse_method", "patched",
+    "remove",
 ]

@@ -1,81 +1,138 @@
-"""The patched attention forward, shared by every architecture family.
+"""The patched attention forward, one code path for every family, mode and method.
 
-It mirrors `LlamaAttention.forward` in `transformers`, with three changes: keys and values are
-encoded to latents before they reach the cache, the attention kernel runs on what the mode prepares
-(see `patchkv.modes`), and attention outputs are decoded from value latents before `o_proj`.
-The cache is whatever `transformers` passes in (a `DynamicCache` under `generate`): it stores the
-packed latents `[batch, 1, seq, total_rank]` in place of `[batch, kv_heads, seq, head_dim]` tensors.
-With sinks, a recent window or top-k decoding, layers hand over to `patchkv.hybrid` instead.
+It mirrors `LlamaAttention.forward` in `transformers` with everything architecture-specific asked of the
+adapter, and these changes:
+
+1. q, k, v come out of the adapter un-rotated; the mode puts them in cache space (`patchkv.modes`);
+2. the layer of the `LatentCache` appends the new tokens (sinks and window exact, the middle encoded by
+   the plan's codec) and records their true positions;
+3. if the plan has a selector and this is a decode step, each KV head keeps its best-scoring latent tokens;
+4. the model's own attention function runs on what the mode prepares: keys whose dot products with the
+   queries are the true scores, and values augmented as `[exact v | latent c | 1]`;
+5. outputs are decoded once per query: `sum_j p_j v_j + basis @ (sum_j p_j c_j) + (sum_j p_j) mean`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .adapters import AttentionAdapter
-from .hybrid import CacheOptions, hybrid_attention
-from .latent import LatentBasis
-from .modes import Mode
-from .rope import RopeTable
+from .cache import LatentCache, LatentLayer
+from .context import LayerPatch
+from .errors import PatchKVError
+from .latent import augmented
+from .modes import Visible
 
 
-class LatentAttentionState(nn.Module):
-    """What a patched attention module carries: its layer's key and value bases and the shared helpers."""
+class LatentForward:
+    """The `forward` installed on a patched attention module: a plain object (no closure), so a patched
+    model pickles and loads patched."""
 
-    def __init__(self, adapter: AttentionAdapter, mode: Mode, keys: LatentBasis, values: LatentBasis,
-                 rope: RopeTable, options: CacheOptions):
-        super().__init__()
-        self.keys, self.values = keys, values
-        self.adapter, self.mode, self.rope, self.options = adapter, mode, rope, options
+    def __init__(self, module: nn.Module):
+        self.module = module
 
-    def extra_repr(self) -> str:
-        return f"mode={self.mode.name}, key_ranks={self.keys.ranks}, value_ranks={self.values.ranks}, {self.options}"
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 attention_mask: torch.Tensor | None = None, cache: Cache | None = None, **kwargs: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        return latent_attention_forward(self.module, hidden_states, position_embeddings, attention_mask, cache,
+                                        **kwargs)
 
 
-def latent_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    cache: Cache | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
+                             position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
+                             cache: Cache | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or None)."""
-    state: LatentAttentionState = self.patchkv
-    input_shape = hidden_states.shape[:-1]
+    lp: LayerPatch = attn.patchkv.on(hidden_states.device)
+    adapter, mode = lp.patch.adapter, lp.patch.mode
+    q, k, v = adapter.project_qkv(attn, hidden_states)
+    batch, _, seq, _ = q.shape
+    cos, sin = position_embeddings
+    layer = _layer(cache, lp)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=q.device).unsqueeze(0) + layer.get_seq_length()
+    q, k = mode.to_cache_space(lp, q, k, cos, sin)
+    layer.append(k, v, positions.expand(batch, seq), lp)
+    out, weights = _attend(attn, lp, layer, q, cos, sin, attention_mask, kwargs)
+    layer.after_attention()
+    if isinstance(cache, LatentCache):
+        cache.done(lp.layer_idx)
+    return adapter.output(attn, out.reshape(batch, seq, -1).contiguous()), weights
 
-    q, k, v = state.adapter.project_qkv(self, hidden_states)
-    q, k = state.mode.keys_for_cache(state, q, k, position_embeddings)
-    if state.options.hybrid:
-        return hybrid_attention(self, state, q, k, v, attention_mask, cache, **kwargs)
-    key_latents, value_latents = state.keys.encode(k), state.values.encode(v)
 
-    if cache is not None:
-        key_latents, value_latents = cache.update(key_latents, value_latents, self.layer_idx, kwargs=kwargs)
+def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:
+    if cache is None:  # use_cache=False: a throwaway layer for this forward
+        plan = lp.patch.plan
+        return LatentLayer(plan.sink_tokens, plan.window, lp.sliding_window)
+    if not isinstance(cache, LatentCache):
+        raise PatchKVError(f"A patched model got a {type(cache).__name__}; it stores latents in a patchkv.LatentCache. "
+                           "Pass cache=patchkv.LatentCache(model), or no cache (generate() makes one).")
+    if cache.fingerprint != lp.patch.fingerprint:
+        raise PatchKVError(f"This LatentCache was written under another patch ({cache.plan_description}); continuing it "
+                           "with different bases or methods would mix incompatible latents. Start from a new cache.")
+    return cache.layer(lp.layer_idx)
 
-    queries, keys = state.mode.score_inputs(state, q, key_latents)
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward
-    )
-    latent_output, attn_weights = attention_interface(
-        self,
-        queries,
-        keys,
-        state.values.unpack(value_latents),
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        sliding_window=state.adapter.sliding_window(self),
-        **kwargs,
-    )
 
-    # [batch, seq, heads, max_rank] -> [batch, seq, heads, head_dim]
-    attn_output = state.values.decode_query_heads(latent_output.transpose(1, 2)).transpose(1, 2)
-    attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
-    return attn_output, attn_weights
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean (True = attend) or additive mask as an additive float32 mask."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.float32, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return mask.float()
+
+
+def _attend(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q `[batch, heads, s, d]` in cache space -> (`[batch, s, heads, d]`, weights or None)."""
+    patch = lp.patch
+    regions, positions = layer.regions(q.shape[2])
+    ns, nm, nr = (regions[f"{r}_keys"].shape[2] for r in ("sink", "latent", "recent"))
+    sink_pos, middle_pos, recent_pos = positions.split([ns, nm, nr], dim=1)
+    key_coeffs, value_coeffs = lp.keys.decode(regions["latent_keys"]), lp.values.decode(regions["latent_values"])
+    selector = patch.plan.selector
+    if selector is not None and not layer.is_sliding and selector.applies(q.shape[2], nm):
+        rank = min(selector.rank or lp.keys.basis.max_rank, lp.keys.basis.max_rank)
+        scores = patch.mode.approximate_scores(lp, q, cos, sin, key_coeffs[..., :rank], middle_pos).float()
+        if mask is not None:
+            scores = scores + _additive(mask)[:, :, -1, ns:ns + nm]
+        chosen = selector.select(scores, lp.keys.basis.query_groups)  # [batch, kv_heads, k]
+        key_coeffs, value_coeffs = (c.gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, c.shape[-1]))
+                                    for c in (key_coeffs, value_coeffs))
+        middle_pos = middle_pos.unsqueeze(1).expand(-1, chosen.shape[1], -1).gather(2, chosen)
+        if mask is not None:
+            mask = _select_columns(mask, chosen, ns, nm, nr, lp.keys.basis.query_groups)
+    seen = Visible(regions["sink_keys"], regions["sink_values"], regions["recent_keys"], regions["recent_values"],
+                   key_coeffs, value_coeffs, sink_pos, middle_pos, recent_pos)
+    queries, keys = patch.mode.score_operands(lp, q, cos, sin, seen)
+    values, has_exact, has_latent = augmented(seen.sink_values, value_coeffs.to(q.dtype), seen.recent_values)
+    out, weights = patch.adapter.attention_function(attn)(
+        attn, queries, keys, values, mask, dropout=attn.attention_dropout if attn.training else 0.0,
+        scaling=patch.adapter.scaling(attn), **{**kwargs, **patch.adapter.attention_kwargs(attn)})
+    return _decode_values(lp, out, has_exact, has_latent, q.shape[-1]), weights
+
+
+def _select_columns(mask: torch.Tensor, chosen: torch.Tensor, ns: int, nm: int, nr: int, groups: int) -> torch.Tensor:
+    """Mask `[batch, 1 or heads, 1, ns + nm + nr]` -> the columns of sinks, the chosen middle tokens (per KV head,
+    repeated over its query heads) and the window: `[batch, heads, 1, ns + k + nr]`."""
+    batch, kv_heads, _ = chosen.shape
+    device = chosen.device
+    columns = torch.cat([torch.arange(ns, device=device).expand(batch, kv_heads, ns), ns + chosen,
+                         torch.arange(ns + nm, ns + nm + nr, device=device).expand(batch, kv_heads, nr)], dim=2)
+    columns = columns.repeat_interleave(groups, dim=1).unsqueeze(2)  # [batch, heads, 1, n]
+    mask = mask[..., -(ns + nm + nr):].expand(batch, kv_heads * groups, 1, -1)
+    return mask.gather(3, columns)
+
+
+def _decode_values(lp: LayerPatch, out: torch.Tensor, has_exact: bool, has_latent: bool, dim: int) -> torch.Tensor:
+    """Attention output over augmented values `[batch, s, heads, D]` -> `[batch, s, heads, head_dim]`."""
+    if not has_latent:
+        return out
+    basis = lp.values.basis
+    latent = out[..., dim:] if has_exact else out
+    coeffs, weight = latent[..., : basis.max_rank], latent[..., basis.max_rank:]
+    decoded = basis.decode_query_heads(coeffs.transpose(1, 2)).transpose(1, 2) + weight * basis.query_mean
+    return out[..., :dim] + decoded if has_exact else decoded

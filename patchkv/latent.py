@@ -1,108 +1,156 @@
-"""Low-rank latent form of per-head vectors, and its packed storage in the cache.
+"""Low-rank latent form of per-head vectors (`LatentBasis`) and how latents are stored (`Codec`).
 
-Heads may keep different numbers of components (an energy budget picks them per head), so latents
-are stored packed: `[batch, 1, seq, total_rank]`, head h in columns `offsets[h] : offsets[h] + ranks[h]`.
-The cache therefore holds exactly `total_rank` numbers per token and layer, with no padding. For
-compute, `unpack` spreads them to `[batch, kv_heads, seq, max_rank]`, zero-padded.
+A layer's keys (or values) `x` `[batch, kv_heads, seq, head_dim]` become coefficients
+`c = (x - mean) @ basis`, `[batch, kv_heads, seq, max_rank]`, zero past each head's rank (heads may keep
+different numbers of components). A codec turns coefficients into what the cache stores, `[batch, 1,
+seq, width]`: `PackedCodec` packs the kept floats with no padding (`width = total_rank`); the DP-quantized
+codec of `patchkv.methods.quantized` stores fixed-rate integer codes (uint8, `width` bytes).
 
-With a bit allocation (`patchkv.quantize`), the stored form is instead fixed-rate integer codes,
-uint8 `[batch, 1, seq, bytes_per_token]`, and `unpack` dequantizes.
+These objects are deliberately not `nn.Module`s: patching leaves the model's module tree, `state_dict` and
+accelerate's hooks untouched, and their tensors follow each layer's execution device (`to`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from .quantize import CoefficientQuantizer
 
 
-class LatentBasis(nn.Module):
+class LatentBasis:
     """Truncated PCA basis for keys or values of one layer.
 
-    mean: `[kv_heads, head_dim]`; eigenvectors: `[kv_heads, head_dim, head_dim]` (columns by decreasing
-    variance); ranks: `[kv_heads]`. `query_groups` query heads share each KV head (GQA).
-    Buffers are not persistent: patching leaves the model's `state_dict` unchanged.
+    mean `[kv_heads, head_dim]`; eigenvectors `[kv_heads, head_dim, head_dim]` (columns by decreasing
+    variance); ranks: components kept per head. `query_groups` query heads share each KV head (GQA).
     """
 
-    def __init__(self, mean: torch.Tensor, eigenvectors: torch.Tensor, ranks: torch.Tensor, query_groups: int,
-                 dtype: torch.dtype, bits: torch.Tensor | None = None, eigenvalues: torch.Tensor | None = None):
-        """bits: optional `[kv_heads, head_dim]` bits per component (then `ranks` is ignored: a head keeps
-        the components up to its last one with bits); eigenvalues `[kv_heads, head_dim]` set the scales."""
-        super().__init__()
+    def __init__(self, mean: torch.Tensor, eigenvectors: torch.Tensor, ranks: list[int], query_groups: int,
+                 dtype: torch.dtype):
         heads, dim = mean.shape
-        if bits is not None:
-            ranks = torch.stack([(row > 0).nonzero().max() + 1 if row.any() else torch.tensor(1) for row in bits])
-        ranks = [int(r) for r in ranks]
-        self.ranks, self.max_rank, self.total_rank = ranks, max(ranks), sum(ranks)
-        self.uniform = len(set(ranks)) == 1
-        keep = torch.arange(self.max_rank).unsqueeze(0) < torch.tensor(ranks).unsqueeze(1)  # [heads, max_rank]
-        basis = eigenvectors[:, :, : self.max_rank] * keep.unsqueeze(1)
-        # slot h * max_rank + j of the padded layout holds packed column pack_index[...]; padding reads column R (zero)
-        pack_index = keep.flatten().nonzero().squeeze(1)
-        unpack_index = torch.full((heads * self.max_rank,), self.total_rank, dtype=torch.long)
-        unpack_index[pack_index] = torch.arange(self.total_rank)
-        self.register_buffer("mean", mean.to(dtype), persistent=False)
-        self.register_buffer("basis", basis.to(dtype), persistent=False)
-        self.register_buffer("pack_index", pack_index, persistent=False)
-        self.register_buffer("unpack_index", unpack_index, persistent=False)
+        self.ranks = [int(r) for r in ranks]
+        self.max_rank, self.total_rank = max(self.ranks), sum(self.ranks)
+        self.heads, self.head_dim, self.query_groups = heads, dim, query_groups
+        keep = torch.arange(self.max_rank).unsqueeze(0) < torch.tensor(self.ranks).unsqueeze(1)  # [heads, max_rank]
+        self.keep = keep
+        self.mean = mean.to(dtype)
+        self.basis = (eigenvectors[:, :, : self.max_rank] * keep.unsqueeze(1)).to(dtype)
         # the same basis and mean per query head (GQA), built once rather than on every forward
-        self.register_buffer("query_basis", self.basis.repeat_interleave(query_groups, dim=0), persistent=False)
-        self.register_buffer("query_mean", self.mean.repeat_interleave(query_groups, dim=0), persistent=False)
-        self.quantizer = None
-        if bits is not None:
-            std = eigenvalues[:, : self.max_rank].double().clamp_min(0).sqrt()
-            self.quantizer = CoefficientQuantizer(bits[:, : self.max_rank] * keep, std)
+        self.query_basis = self.basis.repeat_interleave(query_groups, dim=0)
+        self.query_mean = self.mean.repeat_interleave(query_groups, dim=0)
 
-    def bytes_per_token(self, element_size: int) -> int:
-        """What the cache stores per token for this layer: packed floats, or the quantized codes."""
-        return self.quantizer.bytes_per_token if self.quantizer else self.total_rank * element_size
+    def to(self, device: torch.device) -> LatentBasis:
+        """Move every tensor to `device` in place; returns self."""
+        for name in ("mean", "basis", "query_basis", "query_mean"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.basis.device
 
     def coefficients(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[batch, kv_heads, seq, head_dim]` -> `[batch, kv_heads, seq, max_rank]`, zero past each head's rank."""
+        """x `[batch, kv_heads, seq, head_dim]` -> `[batch, kv_heads, seq, max_rank]`, zero past each rank."""
         return (x - self.mean.unsqueeze(1)) @ self.basis
 
+    def reconstruct(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """`[batch, kv_heads, seq, max_rank]` -> vectors `[batch, kv_heads, seq, head_dim]`."""
+        if coeffs.device.type == "cpu" and coeffs.dtype != torch.float32:
+            # CPUs without half-precision matrix units run this GEMM over the whole cache many times slower
+            out = coeffs.float() @ self.basis.float().transpose(1, 2) + self.mean.float().unsqueeze(1)
+            return out.to(coeffs.dtype)
+        return coeffs @ self.basis.transpose(1, 2) + self.mean.unsqueeze(1)
+
+    def project_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries `[batch, heads, seq, head_dim]` onto their KV head's basis -> `[batch, heads, seq, max_rank]`.
+        `q . (mean + basis c) = project_queries(q) . c + mean_scores(q)`."""
+        return q @ self.query_basis
+
+    def mean_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q `[batch, heads, seq, head_dim]` -> `q . mean` of its KV head, `[batch, heads, seq, 1]`."""
+        return (q * self.query_mean.unsqueeze(1)).sum(-1, keepdim=True)
+
+    def decode_query_heads(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """Coefficients per query head `[batch, heads, n, max_rank]` -> `basis @ c` per head, `[batch, heads, n,
+        head_dim]`, without the mean (attention outputs add `weight * mean` themselves)."""
+        return coeffs @ self.query_basis.transpose(1, 2)
+
+
+class Codec:
+    """How a layer's coefficients are stored. Subclasses set `width` and `stored_dtype` and implement
+    `encode`/`decode`; `basis` is the `LatentBasis` the coefficients live on."""
+
+    basis: LatentBasis
+    width: int
+    stored_dtype: torch.dtype
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[batch, kv_heads, seq, head_dim]` -> packed latents `[batch, 1, seq, total_rank]` (or codes)."""
-        coeffs = self.coefficients(x)
-        if self.quantizer:
-            return self.quantizer.encode(coeffs)
+        """Vectors `[batch, kv_heads, seq, head_dim]` -> stored form `[batch, 1, seq, width]`."""
+        raise NotImplementedError
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored `[batch, 1, seq, width]` -> coefficients `[batch, kv_heads, seq, max_rank]` (basis dtype)."""
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> Codec:
+        self.basis.to(device)
+        return self
+
+    def bytes_per_token(self) -> int:
+        return self.width * torch.empty(0, dtype=self.stored_dtype).element_size()
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}(ranks={self.basis.ranks})"
+
+
+class PackedCodec(Codec):
+    """The kept coefficients as floats, packed: head h in columns `offsets[h] : offsets[h] + ranks[h]`."""
+
+    def __init__(self, basis: LatentBasis):
+        self.basis = basis
+        self.width, self.stored_dtype = basis.total_rank, basis.basis.dtype
+        self.uniform = len(set(basis.ranks)) == 1
+        # slot h * max_rank + j of the padded layout holds packed column pack_index[...]; padding reads column R (zero)
+        self.pack_index = basis.keep.flatten().nonzero().squeeze(1)
+        self.unpack_index = torch.full((basis.heads * basis.max_rank,), self.width, dtype=torch.long)
+        self.unpack_index[self.pack_index] = torch.arange(self.width)
+
+    def to(self, device: torch.device) -> PackedCodec:
+        super().to(device)
+        self.pack_index, self.unpack_index = self.pack_index.to(device), self.unpack_index.to(device)
+        return self
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        coeffs = self.basis.coefficients(x)
         b, h, s, r = coeffs.shape
         flat = coeffs.transpose(1, 2).reshape(b, s, h * r)
         if not self.uniform:
             flat = flat.index_select(-1, self.pack_index)
         return flat.unsqueeze(1)
 
-    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
-        """Packed `[batch, 1, seq, total_rank]` -> `[batch, kv_heads, seq, max_rank]`, zero-padded past each rank."""
-        if self.quantizer:
-            return self.quantizer.decode(latents, self.basis.dtype)
-        b, _, s, _ = latents.shape
-        flat = latents.squeeze(1)
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        b, _, s, _ = stored.shape
+        flat = stored.squeeze(1)
         if not self.uniform:
             flat = F.pad(flat, (0, 1)).index_select(-1, self.unpack_index)
-        return flat.view(b, s, len(self.ranks), self.max_rank).transpose(1, 2)
+        return flat.reshape(b, s, self.basis.heads, self.basis.max_rank).transpose(1, 2)
 
-    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
-        """`[batch, kv_heads, seq, max_rank]` -> reconstructed vectors `[batch, kv_heads, seq, head_dim]`."""
-        if coeffs.device.type == "cpu" and coeffs.dtype != torch.float32:
-            # CPUs without half-precision matrix units run this GEMM over the whole cache many times slower
-            decoded = coeffs.float() @ self.basis.float().transpose(1, 2) + self.mean.float().unsqueeze(1)
-            return decoded.to(coeffs.dtype)
-        return coeffs @ self.basis.transpose(1, 2) + self.mean.unsqueeze(1)
 
-    def project_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries `[batch, heads, seq, head_dim]` onto their KV head's basis -> `[batch, heads, seq, max_rank]`.
+def augmented(before: torch.Tensor, latent: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    """Exact rows `before`, `after` `[batch, kv_heads, n, d]` around latent rows `latent` `[batch, kv_heads, m, r]`
+    -> one tensor in position order with features `[exact d | latent r | 1]`: exact rows `[x, 0, 0]`, latent rows
+    `[0, c, 1]`. Blocks of features no row uses are left out. Returns (rows, has_exact, has_latent).
 
-        Scores against latent keys then equal scores against reconstructed keys up to a per-query
-        constant (q . mean), which softmax ignores.
-        """
-        return q @ self.query_basis
-
-    def decode_query_heads(self, coeffs: torch.Tensor) -> torch.Tensor:
-        """Latents per query head `[batch, heads, n, max_rank]` -> `[batch, heads, n, head_dim]`, each head
-        decoded with its KV head's basis. Used for attention outputs computed on value latents: exact because
-        attention weights sum to one, sum_j p_j (mean + U c_j) = mean + U sum_j p_j c_j.
-        """
-        return coeffs @ self.query_basis.transpose(1, 2) + self.query_mean.unsqueeze(1)
+    Dotted with `[q | q @ basis | q . mean]` this gives q . x for exact rows and q . (mean + basis c) for latent
+    ones; weighted sums of value rows give the exact part, the latent part and the weight of the mean."""
+    has_exact = before.shape[2] + after.shape[2] > 0
+    has_latent = latent.shape[2] > 0
+    if not has_latent:
+        return torch.cat([before, after], dim=2), has_exact, has_latent
+    ones = latent.new_ones(*latent.shape[:3], 1)
+    middle = torch.cat([latent, ones], dim=-1)
+    if not has_exact:
+        return middle, has_exact, has_latent
+    d, r = before.shape[-1], latent.shape[-1]
+    middle = torch.cat([middle.new_zeros(*latent.shape[:3], d), middle], dim=-1)
+    before = torch.cat([before, before.new_zeros(*before.shape[:3], r + 1)], dim=-1)
+    after = torch.cat([after, after.new_zeros(*after.shape[:3], r + 1)], dim=-1)
+    return torch.cat([before, middle, after], dim=2), has_exact, has_latent

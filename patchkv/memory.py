@@ -17,9 +17,10 @@ def tensor_nbytes(t: torch.Tensor | None) -> int:
 
 def cache_nbytes(cache) -> int:
     """Total bytes held by a `transformers` cache: every tensor of every layer."""
+    if hasattr(cache, "nbytes"):  # patchkv's LatentCache counts its own regions and position track
+        return cache.nbytes()
     total = 0
     for layer in cache.layers:
-        tensors = list(getattr(layer, "parts", {}).values())  # patchkv's HybridLayer
-        tensors += [getattr(layer, name, None) for name in ("keys", "values", "_quantized_keys", "_quantized_values")]
+        tensors = [getattr(layer, name, None) for name in ("keys", "values", "_quantized_keys", "_quantized_values")]
         total += sum(tensor_nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
     return total

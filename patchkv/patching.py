@@ -1,100 +1,211 @@
-"""`apply`, `remove` and `patched`: install the latent attention forward on a model and take it off."""
+"""`apply`, `remove` and `patched`: install latent attention on a model and take it off again.
+
+`apply` installs three things, each recorded so that `remove` restores exactly what was there:
+
+- on every attention module, `forward` (a `LatentForward`) and `patchkv` (its `LayerPatch`);
+- on the decoder stack, a forward pre-hook (`CacheGuard`) that gives a forward with `use_cache` and no cache
+  a `LatentCache`, and refuses any other cache with a `PatchKVError`;
+- on the model, `_prepare_cache_for_generation` (a `LatentCachePreparer`) so that `generate()` builds a
+  `LatentCache` by itself, and `patchkv` (the model-wide `Patch`).
+
+Every check runs before anything changes; if installing fails or is interrupted, what was installed is
+taken off again, so the model is either fully patched or exactly as it was.
+"""
 
 from __future__ import annotations
 
-import types
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
+from transformers.utils import logging
 
 from .adapters import adapter_for, attention_modules
 from .artifact import Artifact
-from .attention import LatentAttentionState, latent_attention_forward
+from .attention import LatentForward
+from .cache import LatentCache
+from .context import LayerPatch, Patch
 from .errors import AlreadyPatchedError, PatchKVError
-from .hybrid import CacheOptions
-from .latent import LatentBasis
+from .methods import Method, Quantized, SinksWindow, TopK, build_plan
 from .modes import MODES
-from .rope import RopeTable, find_rotary_embedding
+from .rope import RopeTable
+
+logger = logging.get_logger(__name__)
+_ABSENT = object()
 
 
 def is_patched(model: nn.Module) -> bool:
     return any(hasattr(m, "patchkv") for m in model.modules())
 
 
-def apply(model: nn.Module, artifact: Artifact, *, sink_tokens: int | None = None, window: int = 0,
-          bits: int | None = None, top_k: int | None = None, top_k_rank: int | None = None) -> nn.Module:
-    """Patch `model` in place so its KV cache holds `artifact`'s latent coefficients; returns `model`.
+def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), *, sink_tokens: int | None = None,
+          window: int | None = None, bits: int | None = None, top_k: int | None = None,
+          top_k_rank: int | None = None) -> nn.Module:
+    """Patch `model` in place so its KV cache holds `artifact`'s latents; returns `model`.
 
-    sink_tokens: keep the first tokens as full K/V (default: the artifact's calibration `sink_tokens`).
-    window: keep the last `window` tokens as full K/V; older ones move into latent form.
-    bits: quantize latents to this many bits per KV head and token, allocated over components by DP
-        on the calibrated eigenvalues (replaces the artifact's ranks; see `patchkv.quantize`).
-    top_k: at each decode step attend to the `top_k` middle tokens (per query head) that score best
-        from their first `top_k_rank` key components, plus sinks and window.
-    Every check runs before anything is changed: on error the model is left unpatched.
+    methods: compression methods (`patchkv.methods`), at most one per role; the default codec is `LowRank()`
+        (the artifact's ranks). The keyword arguments are shorthands for the common ones:
+    sink_tokens, window: `SinksWindow(sink_tokens, window)`: the first and the last tokens stay exact.
+    bits: `Quantized(bits)`: DP-allocated fixed-rate codes, `bits` per KV head and token.
+    top_k, top_k_rank: `TopK(top_k, top_k_rank)`: decode over the best `top_k` latent tokens per KV head.
     """
     adapter = adapter_for(model)
     if is_patched(model):
         raise AlreadyPatchedError("The model is already patched; call patchkv.remove(model) before applying again.")
+    if not isinstance(artifact, Artifact):
+        raise TypeError(f"apply(model, artifact): expected a patchkv.Artifact, got {type(artifact).__name__}.")
     artifact.check_compatible(model)
-    options = CacheOptions(artifact.calibration.get("sink_tokens", 0) if sink_tokens is None else sink_tokens,
-                           window, bits, top_k, top_k_rank)
+    plan = build_plan([*methods, *_shorthands(sink_tokens, window, bits, top_k, top_k_rank)])
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    if implementation not in ("eager", "sdpa"):
+        raise PatchKVError(f"patchkv attends over augmented latent features, which attn_implementation="
+                           f"{implementation!r} cannot take; load the model with attn_implementation='sdpa' or 'eager'.")
     modules = attention_modules(model, adapter)
-    _check_options(options, [adapter.sliding_window(m) for m in modules])
-    allocation = artifact.bit_allocation(bits) if bits else (None, None)
-    rope = RopeTable(find_rotary_embedding(model))
-    mode = MODES[artifact.mode]
-    states = []
+    codecs = plan.codec.codecs(artifact, [adapter.query_groups(m) for m in modules], adapter.dtype(modules[0]))
+    rotary = adapter.rotary_embedding(model)
+    tables: dict[Any, RopeTable] = {}
     for attn in modules:
-        i = attn.layer_idx
-        device, dtype = attn.k_proj.weight.device, attn.k_proj.weight.dtype
-        bases = [
-            LatentBasis(c.mean[i], c.eigenvectors[i], c.ranks[i], attn.num_key_value_groups, dtype,
-                        bits=None if alloc is None else alloc[i], eigenvalues=c.eigenvalues[i]).to(device)
-            for c, alloc in zip((artifact.keys, artifact.values), allocation)
-        ]
-        states.append(LatentAttentionState(adapter, mode, *bases, rope=rope, options=options))
-    for attn, state in zip(modules, states):
-        attn.patchkv = state
-        attn.forward = types.MethodType(latent_attention_forward, attn)
-    model.patchkv_artifact = artifact
+        tables.setdefault(adapter.rope_key(attn), RopeTable(adapter, rotary, attn))
+    digest = hashlib.sha256(f"{artifact.metadata()['checksum']}|{artifact.mode}|{plan.describe()}".encode()).hexdigest()
+    patch = Patch(adapter, MODES[artifact.mode], plan, artifact, f"sha256:{digest}",
+                  [adapter.sliding_window(m) for m in modules])
+    layer_patches = [LayerPatch(patch, attn.layer_idx, keys, values, tables[adapter.rope_key(attn)])
+                     for attn, (keys, values) in zip(modules, codecs)]
+    try:
+        _install(model, patch, modules, layer_patches)
+    except BaseException:
+        _uninstall(model, patch, modules)
+        raise
     return model
 
 
-def _check_options(options: CacheOptions, windows: list[int | None]) -> None:
-    for name in ("sink_tokens", "window"):
-        if getattr(options, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(options, name)}.")
-    for name in ("top_k", "top_k_rank"):
-        if getattr(options, name) is not None and getattr(options, name) < 1:
-            raise ValueError(f"{name} must be a positive int or None, got {getattr(options, name)}.")
-    sliding = [i for i, w in enumerate(windows) if w is not None]
-    if options.hybrid and sliding:
-        raise PatchKVError(
-            f"sink_tokens/window/top_k need full-attention layers, but layers {sliding[:8]} use a sliding window "
-            f"({options}). Apply with sink_tokens=0, window=0, top_k=None: the plain latent cache supports "
-            "sliding windows."
-        )
+def _shorthands(sink_tokens, window, bits, top_k, top_k_rank) -> list[Method]:
+    out: list[Method] = []
+    if sink_tokens is not None or window is not None:
+        out.append(SinksWindow(0 if sink_tokens is None else sink_tokens, 0 if window is None else window))
+    if bits is not None:
+        out.append(Quantized(bits))
+    if top_k_rank is not None and top_k is None:
+        raise ValueError("top_k_rank needs top_k: pass top_k=<tokens per KV head> as well.")
+    if top_k is not None:
+        out.append(TopK(top_k, top_k_rank))
+    return out
+
+
+def _install(model: nn.Module, patch: Patch, modules: list[nn.Module], layer_patches: list[LayerPatch]) -> None:
+    model.patchkv = patch
+    patch.restore["prepare"] = vars(model).get("_prepare_cache_for_generation", _ABSENT)
+    model._prepare_cache_for_generation = LatentCachePreparer(model)
+    decoder = patch.adapter.decoder(model)
+    patch.decoder_hook_id = decoder.register_forward_pre_hook(CacheGuard(model), with_kwargs=True).id
+    for attn, lp in zip(modules, layer_patches):
+        patch.restore[f"forward.{lp.layer_idx}"] = vars(attn).get("forward", _ABSENT)
+        attn.forward = LatentForward(attn)
+        attn.patchkv = lp
+
+
+def _uninstall(model: nn.Module, patch: Patch, modules: list[nn.Module]) -> None:
+    """Take off whatever `_install` put on, restoring what was there before (also after a partial install)."""
+    for attn in modules:
+        if vars(attn).get("patchkv") is not None and vars(attn)["patchkv"].patch is not patch:
+            continue
+        previous = patch.restore.pop(f"forward.{attn.layer_idx}", _ABSENT)
+        if isinstance(vars(attn).get("forward"), LatentForward):
+            del attn.forward
+        if previous is not _ABSENT:
+            attn.forward = previous
+        vars(attn).pop("patchkv", None)
+    if patch.decoder_hook_id is not None:
+        decoder = patch.adapter.decoder(model)
+        decoder._forward_pre_hooks.pop(patch.decoder_hook_id, None)
+        decoder._forward_pre_hooks_with_kwargs.pop(patch.decoder_hook_id, None)
+        patch.decoder_hook_id = None
+    if isinstance(vars(model).get("_prepare_cache_for_generation"), LatentCachePreparer):
+        del model._prepare_cache_for_generation
+    previous = patch.restore.pop("prepare", _ABSENT)
+    if previous is not _ABSENT:
+        model._prepare_cache_for_generation = previous
+    vars(model).pop("patchkv", None)
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Restore every attention module's original forward and drop the bases; returns `model`."""
-    for module in model.modules():
-        if hasattr(module, "patchkv"):
-            del module.patchkv
-            del module.forward  # the instance attribute; the class's own forward shows through again
-    if hasattr(model, "patchkv_artifact"):
-        del model.patchkv_artifact
+    """Restore the model exactly as it was before `apply` (forwards, hooks, attributes); returns `model`.
+    A model that is not patched is returned unchanged."""
+    patch = vars(model).get("patchkv")
+    if patch is not None:
+        _uninstall(model, patch, attention_modules(model, patch.adapter))
     return model
 
 
 @contextmanager
-def patched(model: nn.Module, artifact: Artifact, **options: Any) -> Iterator[nn.Module]:
-    """`with patchkv.patched(model, artifact, **options): ...` applies on entry and removes on exit."""
-    apply(model, artifact, **options)
+def patched(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), **options: Any) -> Iterator[nn.Module]:
+    """`with patchkv.patched(model, artifact, ...): ...` applies on entry and removes on exit."""
+    apply(model, artifact, methods, **options)
     try:
         yield model
     finally:
         remove(model)
+
+
+class CacheGuard:
+    """Forward pre-hook of the decoder stack: a `LatentCache` where a cache is wanted and none was given,
+    the patch's own `LatentCache` passed on, anything else refused with a `PatchKVError`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        name = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(name)
+        if cache is None:
+            use_cache = kwargs.get("use_cache")
+            if use_cache is None:
+                use_cache = getattr(self.model.config, "use_cache", False)
+            if use_cache:
+                kwargs["cache"] = LatentCache(self.model)
+                kwargs.pop("past_key_values", None)
+                return args, kwargs
+            return None
+        if not isinstance(cache, LatentCache):
+            written = cache.get_seq_length() if hasattr(cache, "get_seq_length") else "?"
+            raise PatchKVError(
+                f"The patched model was given a {type(cache).__name__} (holding {written} tokens); patchkv stores "
+                "latents in its own cache. Pass cache=patchkv.LatentCache(model), or none (generate() makes one). "
+                "A cache written by the unpatched model cannot be continued patched: re-run the prompt.")
+        if cache.fingerprint != self.model.patchkv.fingerprint:
+            raise PatchKVError(f"This LatentCache was written under another patch ({cache.plan_description}); "
+                               "continuing it with different bases or methods would mix incompatible latents. "
+                               "Start from a new patchkv.LatentCache(model).")
+        return None
+
+
+class LatentCachePreparer:
+    """Stands in for `model._prepare_cache_for_generation`: the cache `generate()` would make becomes a
+    `LatentCache` (a static cache too: the latent cache grows with the sequence and gives the same results)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, generation_config, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        result = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs,
+                                                                *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if cache is None or getattr(cache, "_is_user_defined", False) or isinstance(cache, LatentCache):
+            return result
+        if isinstance(cache, QuantizedCache):
+            raise PatchKVError("cache_implementation='quantized' would quantize full keys and values, but a patched "
+                               "model stores latents: quantize the latents instead with patchkv.apply(..., bits=N).")
+        if type(cache) not in (DynamicCache, StaticCache):
+            raise PatchKVError(f"generate() prepared a {type(cache).__name__}, which a patched model cannot use; "
+                               "leave cache_implementation unset (patchkv builds a LatentCache).")
+        if isinstance(cache, StaticCache):
+            logger.warning_once("patchkv: cache_implementation='static' is served by a LatentCache, which grows with "
+                                "the sequence; results are the same, but shapes are not static (no torch.compile gain).")
+        latent = LatentCache(self.model, offloading=bool(getattr(cache, "offloading", False)))
+        if getattr(generation_config, "is_assistant", False):
+            latent.activate_past_recording()
+        model_kwargs["cache"] = latent
+        return result

@@ -1,39 +1,32 @@
-"""cos/sin tables for cache positions, computed by the model's own rotary embedding."""
+"""cos/sin of the model's own rotary embedding at any integer positions, shared by the layers that use it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .adapters import AttentionAdapter
+
 
 class RopeTable:
-    """cos/sin for positions `0 .. n-1`, from the model's rotary module, grown on demand, shared by all layers.
+    """cos/sin for positions `0 .. n-1` of one rotary table, computed by the model's rotary module through
+    the adapter, grown on demand, gathered at true positions (pre-RoPE mode rotates cached keys by them)."""
 
-    Pre-RoPE mode rotates reconstructed keys by their index in the cache and queries by theirs:
-    scores depend only on the distance between the two, so this equals rotating by absolute positions
-    for contiguous sequences (left padding only shifts both by the same amount).
-    """
-
-    def __init__(self, rotary_emb: nn.Module):
-        self.rotary_emb = rotary_emb
+    def __init__(self, adapter: AttentionAdapter, rotary: nn.Module, attn: nn.Module):
+        self.adapter, self.rotary, self.attn = adapter, rotary, attn
         # a "dynamic" RoPE rescales with the longest position seen, so it must never see more than asked
-        self.exact = "dynamic" in str(getattr(rotary_emb, "rope_type", ""))
+        self.exact = "dynamic" in str(getattr(rotary, "rope_type", ""))
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
-    def __call__(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[1, length, head_dim]` in `like`'s dtype and device."""
+    def at(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: integer tensor of any shape `[...]` -> cos, sin `[..., rotary_dim]` in `like`'s dtype/device."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
         cached = self.cos
-        if cached is None or cached.shape[1] < length or cached.dtype != like.dtype or cached.device != like.device:
-            size = length if self.exact or cached is None else max(length, 2 * cached.shape[1])
-            positions = torch.arange(size, device=like.device).unsqueeze(0)
-            self.cos, self.sin = self.rotary_emb(like, positions)
-        return self.cos[:, :length], self.sin[:, :length]
-
-
-def find_rotary_embedding(model: nn.Module) -> nn.Module:
-    """The model's single rotary embedding module."""
-    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(found) != 1:
-        raise ValueError(f"Expected one rotary embedding module in the model, found {len(found)}.")
-    return found[0]
+        if cached is None or cached.shape[0] < need or cached.dtype != like.dtype or cached.device != like.device:
+            size = need if self.exact or cached is None else max(need, 2 * cached.shape[0])
+            grid = torch.arange(size, device=like.device).unsqueeze(0)
+            cos, sin = self.adapter.cos_sin(self.rotary, self.attn, like, grid)
+            self.cos, self.sin = cos[0], sin[0]
+        index = positions.to(self.cos.device).long()
+        return self.cos[index], self.sin[index]

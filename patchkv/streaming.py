@@ -16,7 +16,6 @@ import torch
 from lm_eval.api.model import LM
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from .memory import cache_nbytes
 
@@ -24,14 +23,15 @@ from .memory import cache_nbytes
 class StreamingLM(LM):
     """lm-eval `LM` over a (patched or not) model, batch size 1, scoring by decode steps.
 
-    cache_factory: makes the empty cache for each request (default: the model's `DynamicCache`).
+    cache_factory: makes the empty cache for each request (default: none, so the model makes its own: a
+        `LatentCache` when patched, a `DynamicCache` otherwise).
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, cache_factory: Callable[[], Any] | None = None,
                  max_length: int | None = None):
         super().__init__()
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.cache_factory = cache_factory or (lambda: DynamicCache(config=model.config))
+        self.cache_factory = cache_factory or (lambda: None)
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", 1024)
         self.prefix_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         self.bytes_held = self.tokens_held = 0
@@ -49,7 +49,8 @@ class StreamingLM(LM):
         """Prefill `prefix`, then decode `targets` one at a time. Returns (sum of log-probs, all greedy)."""
         cache = self.cache_factory()
         device = next(self.model.parameters()).device
-        logits = self.model(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True).logits[0, -1]
+        out = self.model(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True)
+        logits, cache = out.logits[0, -1], out.cache
         total, greedy = 0.0, True
         for i, token in enumerate(targets):
             logprobs = logits.float().log_softmax(-1)
@@ -57,7 +58,8 @@ class StreamingLM(LM):
             greedy = greedy and int(logprobs.argmax()) == token
             if i + 1 < len(targets):
                 step = torch.tensor([[token]], device=device)
-                logits = self.model(input_ids=step, cache=cache, use_cache=True).logits[0, -1]
+                out = self.model(input_ids=step, cache=cache, use_cache=True)
+                logits, cache = out.logits[0, -1], out.cache
         self.bytes_held += cache_nbytes(cache)
         self.tokens_held += cache.get_seq_length()
         return total, greedy

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 from transformers.utils import logging
 
 logging.set_verbosity_error()
@@ -15,6 +16,11 @@ FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 12}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    # fused qkv_proj, partial rotary (half of each head rotates)
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
+    # q/k norms, sliding (window 10) and global layers alternating, one RoPE table per layer type
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 10, "query_pre_attn_scalar": 24,
+                                                     "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 

@@ -43,6 +43,9 @@ def test_sampling_generate_full_rank_matches_unpatched(mode):
 
 
 def cache_bytes(cache) -> int:
+    """K/V bytes held by the layers (a LatentCache also holds the positions: 4 bytes per token, counted apart)."""
+    if isinstance(cache, patchkv.LatentCache):
+        return sum(layer.nbytes() for layer in cache.layers)
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
 
 
@@ -60,11 +63,13 @@ def test_cache_holds_latents_and_shrinks_by_the_artifact_ratio(mode, budget):
     assert full.get_seq_length() == latent.get_seq_length() == tokens
     for layer_idx, layer in enumerate(latent.layers):
         total = int(artifact.keys.ranks[layer_idx].sum())
-        assert layer.keys.shape == (3, 1, tokens, total)  # packed latents, not [3, kv_heads, tokens, head_dim]
-        assert layer.values.shape[-1] == int(artifact.values.ranks[layer_idx].sum())
+        # packed latents, not [3, kv_heads, tokens, head_dim]
+        assert layer.tensors["latent_keys"].shape == (3, 1, tokens, total)
+        assert layer.tensors["latent_values"].shape[-1] == int(artifact.values.ranks[layer_idx].sum())
     assert cache_bytes(full) / cache_bytes(latent) == pytest.approx(artifact.compression_ratio())
     assert cache_bytes(latent) == 3 * tokens * artifact.kv_bytes_per_token()
     assert cache_bytes(full) == 3 * tokens * artifact.full_kv_bytes_per_token()
+    assert latent.nbytes() == cache_bytes(latent) + 3 * tokens * 4  # int32 true positions, once for all layers
 
 
 def test_sliding_window_cache_stays_bounded_with_latents(mode):
@@ -74,7 +79,7 @@ def test_sliding_window_cache_stays_bounded_with_latents(mode):
     with patchkv.patched(model, artifact):
         out = model.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     layer = out.past_key_values.layers[0]
-    assert layer.keys.shape == (2, 1, 11, 2 * 6)  # sliding_window - 1 latent tokens kept
+    assert layer.tensors["latent_keys"].shape == (2, 1, 11, 2 * 6)  # sliding_window - 1 latent tokens kept
 
 
 def test_patched_model_without_cache_still_compresses():

@@ -8,7 +8,6 @@ from conftest import calibration_ids, make_model
 
 import patchkv
 from patchkv.kernels import ops as kernels
-from patchkv.hybrid import HybridLayer
 from patchkv.quantize import GAUSSIAN_MSE, CoefficientQuantizer, allocate_bits
 
 
@@ -44,23 +43,16 @@ def test_tokens_move_from_window_to_latents_across_generate_steps(mode):
     kwargs = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     plain = model.generate(x, **kwargs).past_key_values
     with patchkv.patched(model, full, sink_tokens=2, window=4):
-        state = model.model.layers[1].self_attn.patchkv
         cache = model.generate(x, **kwargs).past_key_values
         layer = cache.layers[1]
-        assert isinstance(layer, HybridLayer)
+        assert isinstance(cache, patchkv.LatentCache) and isinstance(layer, patchkv.LatentLayer)
         total = 9 + 14 - 1
-        assert layer.get_seq_length() == total and (layer.sink_len, layer.middle_len) == (2, total - 6)
-        p = layer.parts
-        assert p["recent_k"].shape[2] == 4 and p["middle_k"].shape == (2, 1, total - 6, 2 * 16)
-        rotated = plain.layers[1].keys  # [batch, kv_heads, total, head_dim], rotated by position
-        if mode == "post_rope":
-            keys = torch.cat([p["sink_k"], state.keys.decode(state.keys.unpack(p["middle_k"])), p["recent_k"]], 2)
-        else:  # stored un-rotated: rotate by position to compare
-            keys, _ = layer.full(state)
-            _, keys = state.mode.rotate_for_attention(state, keys[:, :, -1:], keys)
-        assert torch.allclose(keys, rotated, atol=1e-5)
-        values = torch.cat([p["sink_v"], state.values.decode(state.values.unpack(p["middle_v"])), p["recent_v"]], 2)
-        assert torch.allclose(values, plain.layers[1].values, atol=1e-5)
+        assert layer.get_seq_length() == total
+        assert (layer.sink_len, layer.middle_len, layer.window_len) == (2, total - 6, 4)
+        assert layer.tensors["latent_keys"].shape == (2, 1, total - 6, 2 * 16)  # packed latents
+        # the read-only views reconstruct the middle and rotate pre-RoPE keys by their true positions
+        assert torch.allclose(layer.keys, plain.layers[1].keys, atol=1e-5)
+        assert torch.allclose(layer.values, plain.layers[1].values, atol=1e-5)
 
 
 def test_sinks_and_window_cut_the_error_of_a_low_rank_cache(mode):
@@ -72,12 +64,17 @@ def test_sinks_and_window_cut_the_error_of_a_low_rank_cache(mode):
     assert max_error(model, low, x, reference, window=40) < 1e-4  # everything in the window: exact
 
 
-def test_sliding_window_models_refuse_hybrid_options_clearly():
-    model = make_model("mistral")
-    art = patchkv.calibrate(model, calibration_ids(), rank=4, progress=False)
-    with pytest.raises(patchkv.PatchKVError, match="sliding window"):
-        patchkv.apply(model, art, sink_tokens=4, window=8)
-    assert not patchkv.is_patched(model)
+def test_sliding_layers_keep_plain_latents_under_sinks_and_window(mode):
+    """Sinks and window apply to full-attention layers; a sliding layer stores its window as latents."""
+    model, full, _ = full_and_low("gemma3", mode)
+    x = calibration_ids(2, 30, seed=3)
+    assert max_error(model, full, x, model(x).logits, sink_tokens=2, window=4) < 1e-4
+    with patchkv.patched(model, full, sink_tokens=2, window=4):
+        cache = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                               return_dict_in_generate=True).past_key_values
+    sliding, global_ = cache.layers
+    assert sliding.is_sliding and (sliding.sink_len, sliding.window_len, sliding.middle_len) == (0, 0, 9)
+    assert (global_.sink_len, global_.window_len, global_.middle_len) == (2, 4, 32 - 6)
 
 
 # ----- DP bit allocation and quantized latents -----------------------------------------------------
@@ -123,7 +120,7 @@ def test_quantized_cache_reaches_16x_and_32x_vs_fp16(mode, ratio):
     with patchkv.patched(model, full, bits=bits):
         cache = model.generate(x, **kwargs).past_key_values
     tokens = 12 + 6 - 1
-    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    held = sum(layer.nbytes() for layer in cache.layers)
     assert held == 2 * tokens * full.kv_bytes_per_token(bits=bits)
     fp16_bytes = 2 * tokens * 2 * 2 * 2 * dim * 2  # batch, layers, K and V, kv_heads, head_dim, 2 bytes
     assert fp16_bytes / held == pytest.approx(ratio)

@@ -1,0 +1,327 @@
+"""`LatentCache`: the `transformers` cache of a patched model, one `LatentLayer` per attention layer.
+
+Each layer holds, in position order (keys in the space the mode's basis describes: un-rotated in
+pre-RoPE mode, rotated in post-RoPE mode):
+
+    sink_keys, sink_values       [batch, kv_heads, sinks, head_dim]    exact
+    latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
+    recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
+
+Unused regions are zero-sized, so there is one layout and one code path. The cache also records the true
+position of every token (`positions`, `[batch, seen]`, once for all layers), by which pre-RoPE mode rotates
+reconstructed keys: static position schemes, gaps in `position_ids` and left padding are all exact.
+
+A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
+and a patched model refuses a cache written under another patch. An unpatched model writing into it
+gets a `PatchKVError` (from `update`), never a silent mix of full and latent states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import PatchKVError
+
+REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values")
+
+
+class PositionTrack:
+    """True positions of every token a cache has seen, `[batch, seen]` int32, shared by its layers."""
+
+    def __init__(self):
+        self.positions: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def extend(self, start: int, new: torch.Tensor) -> torch.Tensor:
+        """A layer that has seen `start` tokens adds `new` `[batch, n]`; returns positions `[batch, start + n]`.
+        The first layer of a forward appends; the others find the positions already there."""
+        end = start + new.shape[1]
+        if self.length == start:
+            new = new.to(torch.int32) if self.positions is None else new.to(self.positions.device, torch.int32)
+            self.positions = new if self.positions is None else torch.cat([self.positions, new], dim=1)
+        elif self.length < end:
+            raise PatchKVError(f"LatentCache layers disagree on the tokens seen (a layer at {start} tokens, the cache "
+                               f"at {self.length}); use one LatentCache per sequence batch and run every layer.")
+        return self.positions[:, :end]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.positions is not None:
+            self.positions = fn(self.positions)
+
+    def crop(self, length: int) -> None:
+        if self.positions is not None:
+            self.positions = self.positions[:, :length]
+
+
+class LatentLayer(CacheLayerMixin):
+    """One layer of a `LatentCache`. Filled by the patched attention through `append`; see the module doc."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
+                 track: PositionTrack | None = None):
+        # CacheLayerMixin.__init__ would assign .keys/.values, which are read-only views here
+        self.is_initialized = False
+        self.sink_tokens, self.window = (0, 0) if sliding_window is not None else (sink_tokens, window)
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.track = track if track is not None else PositionTrack()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.cumulative_length = 0
+        self.record_past = False
+        self.patch = None  # the LayerPatch that wrote it: decodes the `keys`/`values` views
+        self.device: torch.device | None = None
+
+    # ----- writing ----------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, patch) -> None:
+        """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`; tokens
+        leaving the recent window are encoded into the latent middle."""
+        codecs = (patch.keys, patch.values)
+        if not self.is_initialized:
+            empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
+            self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS if not name.startswith("latent")}
+            for name, codec in zip(("latent_keys", "latent_values"), codecs):
+                self.tensors[name] = codec.encode(empty[name.split("_")[1]])
+            self.device, self.is_initialized, self.patch = keys.device, True, patch
+        t = self.tensors
+        room = max(0, self.sink_tokens - t["sink_keys"].shape[2])
+        for kind, x in (("keys", keys), ("values", values)):
+            t[f"sink_{kind}"] = torch.cat([t[f"sink_{kind}"], x[:, :, :room]], dim=2)
+            t[f"recent_{kind}"] = torch.cat([t[f"recent_{kind}"], x[:, :, room:]], dim=2)
+        leaving = t["recent_keys"].shape[2] - self.window
+        if leaving > 0:
+            for kind, codec in zip(("keys", "values"), codecs):
+                encoded = codec.encode(t[f"recent_{kind}"][:, :, :leaving])
+                t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
+                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:]
+        self.track.extend(self.cumulative_length, positions)
+        self.cumulative_length += keys.shape[2]
+
+    def after_attention(self) -> None:
+        """A sliding layer keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
+        if self.is_sliding and not self.record_past:
+            self._keep_last(self.sliding_window - 1)
+
+    def _keep_last(self, n: int) -> None:
+        for name in ("latent_keys", "latent_values"):
+            self.tensors[name] = self.tensors[name][:, :, -n:] if n > 0 else self.tensors[name][:, :, :0]
+
+    # ----- reading ----------------------------------------------------------------------------------
+    @property
+    def kept(self) -> int:
+        """Tokens held (all of them, or the last ones of a sliding layer)."""
+        return sum(self.tensors[n].shape[2] for n in ("sink_keys", "latent_keys", "recent_keys")) if self.tensors else 0
+
+    def regions(self, query_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """What attention sees after `append`: the region tensors and the true positions of their tokens
+        `[batch, n]`, n = sinks + middle + window (for a sliding layer, the last `window - 1 + query_len`)."""
+        t = dict(self.tensors)
+        kept = self.kept
+        if self.is_sliding:
+            visible = min(kept, self.sliding_window - 1 + query_len)
+            t["latent_keys"], t["latent_values"] = t["latent_keys"][:, :, -visible:], t["latent_values"][:, :, -visible:]
+            kept = visible
+        positions = self.track.positions[:, self.cumulative_length - kept: self.cumulative_length]
+        return t, positions
+
+    @property
+    def sink_len(self) -> int:
+        return self.tensors["sink_keys"].shape[2] if self.tensors else 0
+
+    @property
+    def middle_len(self) -> int:
+        return self.tensors["latent_keys"].shape[2] if self.tensors else 0
+
+    @property
+    def window_len(self) -> int:
+        return self.tensors["recent_keys"].shape[2] if self.tensors else 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.tensors["sink_keys"].shape[0] if self.tensors else -1
+
+    def _full(self, kind: str) -> torch.Tensor | None:
+        """Every kept token's key (rotated, as the unpatched model would cache it) or value, `[batch, kv_heads,
+        kept, head_dim]`, the middle reconstructed from its latents."""
+        if not self.is_initialized:
+            return None
+        codec = getattr(self.patch, kind)
+        t = self.tensors
+        middle = codec.basis.reconstruct(codec.decode(t[f"latent_{kind}"])).to(t[f"sink_{kind}"].dtype)
+        full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
+        if kind == "keys":
+            positions = self.track.positions[:, self.cumulative_length - self.kept: self.cumulative_length]
+            full = self.patch.patch.mode.cached_keys_as_rotated(self.patch, full, positions)
+        return full
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Read-only view: the keys `[batch, kv_heads, kept, head_dim]` as the unpatched model would hold them."""
+        return self._full("keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Read-only view: the values `[batch, kv_heads, kept, head_dim]`, the middle reconstructed."""
+        return self._full("values")
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # ----- the CacheLayerMixin interface ------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise PatchKVError(_UNPATCHED_WRITE)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise PatchKVError(_UNPATCHED_WRITE)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if not self.is_sliding:
+            return self.cumulative_length + query_length, 0
+        full = self.cumulative_length >= self.sliding_window
+        offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        return (self.sliding_window - 1 if full else self.cumulative_length) + query_length, offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def reset(self) -> None:
+        self.tensors, self.cumulative_length, self.is_initialized = {}, 0, False
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.tensors = {name: fn(t) for name, t in self.tensors.items()}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.map(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (a negative int, as `transformers` passes it): from the
+        window first, then the middle, then the sinks. Tokens already encoded stay encoded; the window refills
+        as generation proceeds."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
+        remove = min(-tokens_to_remove, self.cumulative_length)
+        if remove == 0 or not self.is_initialized:
+            return
+        if self.is_sliding and self.cumulative_length >= self.sliding_window and not self.record_past:
+            raise PatchKVError("This sliding-window latent layer no longer holds the tokens to crop; call "
+                               "cache.activate_past_recording() before generating if you need to roll back.")
+        for region in ("recent", "latent", "sink"):
+            n = min(remove, self.tensors[f"{region}_keys"].shape[2])
+            if n:
+                for kind in ("keys", "values"):
+                    self.tensors[f"{region}_{kind}"] = self.tensors[f"{region}_{kind}"][:, :, :-n]
+                remove -= n
+        self.cumulative_length -= min(-tokens_to_remove, self.cumulative_length)
+        if self.is_sliding:
+            self._keep_last(self.sliding_window - 1)
+
+    def offload(self) -> None:
+        self.map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.device is not None:
+            self.map(lambda t: t.to(self.device, non_blocking=True))
+
+
+_UNPATCHED_WRITE = ("A patchkv LatentCache holds latents and cannot take full keys and values: it was passed to a model "
+                    "that is not patched (or was patched by another library). Use it only with the patched model "
+                    "that made it, or pass a fresh DynamicCache to the unpatched model.")
+
+
+class LatentCache(Cache):
+    """The cache of a model patched by `patchkv.apply`; `generate()` builds one by itself.
+
+        cache = patchkv.LatentCache(model)            # model is patched
+        out = model(input_ids, cache=cache, use_cache=True)
+        more = model(next_ids, cache=out.cache, use_cache=True)
+
+    offloading: keep each layer's tensors on CPU between its forwards (moved back to the layer's device
+    just before it computes).
+    """
+
+    def __init__(self, model: nn.Module, *, offloading: bool = False):
+        patch = getattr(model, "patchkv", None)
+        if patch is None:
+            raise PatchKVError("patchkv.LatentCache(model) needs a patched model: call patchkv.apply(model, artifact) "
+                               "first (an unpatched model uses transformers' DynamicCache).")
+        self.track = PositionTrack()
+        plan = patch.plan
+        layers = [LatentLayer(plan.sink_tokens, plan.window, window, self.track) for window in patch.sliding_windows]
+        super().__init__(layers=layers)
+        self.offload_layers = offloading
+        self.fingerprint = patch.fingerprint
+        self.plan_description = plan.describe() or "lowrank"
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        raise PatchKVError(_UNPATCHED_WRITE)
+
+    def layer(self, layer_idx: int) -> LatentLayer:
+        """The layer the patched attention writes to, brought back to its device if offloaded."""
+        if layer_idx >= len(self.layers):
+            raise PatchKVError(f"This LatentCache has {len(self.layers)} layers, the model asked for layer {layer_idx}: "
+                               "it was made for another model.")
+        layer = self.layers[layer_idx]
+        if self.offload_layers:
+            layer.prefetch()
+        return layer
+
+    def done(self, layer_idx: int) -> None:
+        """Called by the patched attention after a layer computed: offloads it when asked to."""
+        if self.offload_layers:
+            self.layers[layer_idx].offload()
+
+    # ----- whole-cache operations keep the position track in step with the layers --------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.track.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.track.map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.track.map(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.track.crop(max(layer.cumulative_length for layer in self.layers))
+
+    def reset(self) -> None:
+        super().reset()
+        self.track.positions = None
+
+    # ----- accounting --------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held: every region of every layer, plus the position track."""
+        positions = self.track.positions.nbytes if self.track.positions is not None else 0
+        return sum(layer.nbytes() for layer in self.layers) + positions
+
+    def describe(self) -> str:
+        """One line per layer: its regions' token counts and bytes."""
+        lines = [f"LatentCache({self.plan_description}), {self.get_seq_length()} tokens, {self.nbytes()} bytes"]
+        for i, layer in enumerate(self.layers):
+            kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
+            lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}, "
+                         f"window {layer.window_len}, {layer.nbytes()} bytes")
+        return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""What a patched model carries: `Patch` on the model, `LayerPatch` on each attention module.
+
+Neither is an `nn.Module`: the model's module tree and `state_dict` stay as they were, accelerate's hooks
+never see the bases, and both pickle with the model (`torch.save(model)` of a patched model loads patched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .adapters import AttentionAdapter
+from .latent import Codec
+from .methods import CachePlan
+from .rope import RopeTable
+
+
+@dataclass
+class Patch:
+    """Model-wide: the adapter, mode, plan, artifact, and what `remove` must restore."""
+
+    adapter: AttentionAdapter
+    mode: Any  # patchkv.modes.Mode
+    plan: CachePlan
+    artifact: Any  # patchkv.Artifact
+    fingerprint: str
+    sliding_windows: list[int | None]
+    decoder_hook_id: int | None = None
+    restore: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LayerPatch:
+    """One attention module's codecs and rotary table, moved lazily to the device the layer computes on."""
+
+    patch: Patch
+    layer_idx: int
+    keys: Codec
+    values: Codec
+    rope: RopeTable
+    device: torch.device | None = None
+
+    def on(self, device: torch.device) -> LayerPatch:
+        if self.device != device:
+            self.keys.to(device)
+            self.values.to(device)
+            self.device = device
+        return self
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.patch.sliding_windows[self.layer_idx]

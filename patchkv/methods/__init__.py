@@ -1,0 +1,61 @@
+"""Compression methods, one small class per file, and the registry the CLI and the evals read.
+
+    patchkv.apply(model, artifact, methods=[SinksWindow(4, 32), Quantized(bits=64), TopK(k=64, rank=8)])
+    parse_method("topk:k=64,rank=8")  # the same, from a string (`patchkv eval --method ...`)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Iterable
+
+from .base import CachePlan, CodecMethod, Method, Selector
+from .lowrank import LowRank
+from .quantized import Quantized
+from .sinks_window import SinksWindow
+from .topk import TopK
+
+#: name -> method class; `patchkv eval --method NAME:field=value,...` and the evals look methods up here.
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (LowRank, Quantized, SinksWindow, TopK)}
+
+
+def parse_method(spec: str) -> Method:
+    """`"name"` or `"name:field=value,field=value"` -> a method instance (values typed by the dataclass fields)."""
+    name, _, args = spec.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"Unknown method {name!r} in {spec!r}; known methods: {', '.join(METHODS)}.")
+    cls = METHODS[name]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"Method {name!r}: expected field=value with a field among {sorted(fields)}, got {item!r}.")
+        kind = float if "float" in str(hints[key]) else int
+        try:
+            kwargs[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"Method {name!r}: {key} must be a {kind.__name__}, got {value!r}.") from None
+    return cls(**kwargs)
+
+
+def build_plan(methods: Iterable[Method]) -> CachePlan:
+    """Fold methods into one plan: at most one method per role; `LowRank()` when no codec is given."""
+    methods = tuple(methods)
+    seen: dict[str, Method] = {}
+    for m in methods:
+        if not isinstance(m, Method):
+            raise TypeError(f"Expected patchkv methods (see patchkv.methods.METHODS), got {m!r}.")
+        if m.role in seen:
+            raise ValueError(f"Two {m.role} methods given ({seen[m.role].spec()} and {m.spec()}); pass one.")
+        seen[m.role] = m
+    plan = CachePlan(codec=LowRank(), methods=methods)
+    for m in methods:
+        plan = m.configure(plan)
+    return plan
+
+
+__all__ = ["METHODS", "CachePlan", "CodecMethod", "LowRank", "Method", "Quantized", "Selector", "SinksWindow",
+           "TopK", "build_plan", "parse_method"]

@@ -1,0 +1,95 @@
+"""The method interface: every compression method is a small frozen dataclass that edits a `CachePlan`.
+
+A plan says what the cache stores and how attention reads it:
+
+- `codec`: how the latent middle is stored (one per plan): `LowRank` floats or `Quantized` DP codes;
+- `sink_tokens` / `window`: the first and the last tokens kept as exact K/V (`SinksWindow`);
+- `selector`: decode-time token selection over the latent middle (`TopK`).
+
+A new method is one file in this folder: a dataclass subclassing `Method` with a `name`, validated fields
+and `configure`, registered in `patchkv/methods/__init__.py`. The CLI and the evals read that registry.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..artifact import Artifact
+    from ..latent import Codec
+
+
+class Method:
+    """Base class. Subclasses are frozen dataclasses; `configure` returns the edited plan."""
+
+    name: ClassVar[str]
+    #: "codec", "regions" or "selection": a plan holds at most one method of each role.
+    role: ClassVar[str]
+
+    def configure(self, plan: CachePlan) -> CachePlan:
+        raise NotImplementedError
+
+    def spec(self) -> str:
+        """`name:field=value,...`, the form `patchkv.methods.parse_method` and the CLI's `--method` read."""
+        fields = ",".join(f"{k}={v}" for k, v in vars(self).items() if v is not None)
+        return f"{self.name}:{fields}" if fields else self.name
+
+
+class CodecMethod(Method):
+    """A method that decides how latents are stored: builds every layer's key and value codecs."""
+
+    role = "codec"
+
+    def codecs(self, artifact: Artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
+        """One (key codec, value codec) per layer, for a model computing in `dtype`."""
+        raise NotImplementedError
+
+    def configure(self, plan: CachePlan) -> CachePlan:
+        return replace(plan, codec=self)
+
+
+class Selector(Method):
+    """A method that picks, at a decode step, which latent tokens each KV head attends to."""
+
+    role = "selection"
+    #: leading key components used to score candidates (None: all the codec keeps)
+    rank: int | None
+
+    def select(self, scores: torch.Tensor, groups: int) -> torch.Tensor:
+        """Approximate scores `[batch, heads, n]` -> sorted indices `[batch, kv_heads, k]` into the n tokens."""
+        raise NotImplementedError
+
+    def applies(self, query_len: int, middle_len: int) -> bool:
+        raise NotImplementedError
+
+    def configure(self, plan: CachePlan) -> CachePlan:
+        return replace(plan, selector=self)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What `patchkv.apply` assembled from its methods; read by `LatentCache` and the patched attention."""
+
+    codec: CodecMethod
+    sink_tokens: int = 0
+    window: int = 0
+    selector: Selector | None = None
+    methods: tuple[Method, ...] = field(default=())
+
+    @property
+    def exact_regions(self) -> bool:
+        return bool(self.sink_tokens or self.window)
+
+    def describe(self) -> str:
+        return " + ".join(m.spec() for m in self.methods)
+
+
+def check_int(owner: str, name: str, value: object, minimum: int) -> int:
+    """`value` as an int >= minimum (numpy integers accepted, bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
