@@ -116,7 +116,7 @@ def test_streaming_lm_scores_through_the_cache(reference):
     with patchkv.patched(model, art):  # plain latent cache: prefill and decode agree, bytes as promised
         lm = StreamingLM(model, tokenizer)
         assert lm.loglikelihood([request], disable_tqdm=True)[0][0] == pytest.approx(one_forward(), abs=1e-3)
-        assert lm.kv_bytes_per_token == art.kv_bytes_per_token()
+        assert lm.kv_bytes_per_token == art.kv_bytes_per_token() + 4  # + the int32 true position of each token
     with patchkv.patched(model, art, sink_tokens=1, window=2, top_k=4, top_k_rank=4):
         dense = one_forward()  # a single forward never decodes: top-k does not act
         sparse = StreamingLM(model, tokenizer).loglikelihood([request], disable_tqdm=True)[0][0]
