@@ -28,6 +28,7 @@ class Patch:
     fingerprint: str
     sliding_windows: list[int | None]
     decoder_hook_id: int | None = None
+    #: instance attributes `apply` replaced (None where there was none), put back by `remove`
     restore: dict[str, Any] = field(default_factory=dict)
 
 

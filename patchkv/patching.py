@@ -34,7 +34,6 @@ from .modes import MODES
 from .rope import RopeTable
 
 logger = logging.get_logger(__name__)
-_ABSENT = object()
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -97,12 +96,12 @@ def _shorthands(sink_tokens, window, bits, top_k, top_k_rank) -> list[Method]:
 
 def _install(model: nn.Module, patch: Patch, modules: list[nn.Module], layer_patches: list[LayerPatch]) -> None:
     model.patchkv = patch
-    patch.restore["prepare"] = vars(model).get("_prepare_cache_for_generation", _ABSENT)
+    patch.restore["prepare"] = vars(model).get("_prepare_cache_for_generation")
     model._prepare_cache_for_generation = LatentCachePreparer(model)
     decoder = patch.adapter.decoder(model)
     patch.decoder_hook_id = decoder.register_forward_pre_hook(CacheGuard(model), with_kwargs=True).id
     for attn, lp in zip(modules, layer_patches):
-        patch.restore[f"forward.{lp.layer_idx}"] = vars(attn).get("forward", _ABSENT)
+        patch.restore[f"forward.{lp.layer_idx}"] = vars(attn).get("forward")
         attn.forward = LatentForward(attn)
         attn.patchkv = lp
 
@@ -112,10 +111,10 @@ def _uninstall(model: nn.Module, patch: Patch, modules: list[nn.Module]) -> None
     for attn in modules:
         if vars(attn).get("patchkv") is not None and vars(attn)["patchkv"].patch is not patch:
             continue
-        previous = patch.restore.pop(f"forward.{attn.layer_idx}", _ABSENT)
+        previous = patch.restore.pop(f"forward.{attn.layer_idx}", None)
         if isinstance(vars(attn).get("forward"), LatentForward):
             del attn.forward
-        if previous is not _ABSENT:
+        if previous is not None:
             attn.forward = previous
         vars(attn).pop("patchkv", None)
     if patch.decoder_hook_id is not None:
@@ -125,8 +124,8 @@ def _uninstall(model: nn.Module, patch: Patch, modules: list[nn.Module]) -> None
         patch.decoder_hook_id = None
     if isinstance(vars(model).get("_prepare_cache_for_generation"), LatentCachePreparer):
         del model._prepare_cache_for_generation
-    previous = patch.restore.pop("prepare", _ABSENT)
-    if previous is not _ABSENT:
+    previous = patch.restore.pop("prepare", None)
+    if previous is not None:
         model._prepare_cache_for_generation = previous
     vars(model).pop("patchkv", None)
 

@@ -1,0 +1,136 @@
+"""apply / remove promises: atomic install, exact restore, pickling, typed options, dispatched models."""
+
+import io
+import types
+
+import pytest
+import torch
+from conftest import calibration_ids, make_model
+
+import patchkv
+from patchkv import attention
+
+
+@pytest.fixture
+def model_and_artifact():
+    model = make_model("llama")
+    return model, patchkv.calibrate(model, calibration_ids(), rank=16, progress=False)
+
+
+def test_a_patched_model_pickles_and_loads_patched(model_and_artifact):
+    model, art = model_and_artifact
+    x = calibration_ids(2, 12, seed=3)
+    reference = model(x).logits
+    patchkv.apply(model, art.with_ranks(rank=6), sink_tokens=1, window=2)
+    expected = model(x).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert patchkv.is_patched(loaded) and torch.allclose(loaded(x).logits, expected, atol=1e-6)
+    assert isinstance(loaded.generate(x, max_new_tokens=2, pad_token_id=0, return_dict_in_generate=True)
+                      .past_key_values, patchkv.LatentCache)
+    patchkv.remove(loaded)
+    assert not patchkv.is_patched(loaded) and torch.allclose(loaded(x).logits, reference, atol=1e-6)
+    assert set(loaded.state_dict()) == set(model.state_dict())  # save_pretrained stays clean
+
+
+def test_remove_restores_another_librarys_forward_wrapper(model_and_artifact):
+    model, art = model_and_artifact
+    attn = model.model.layers[0].self_attn
+    calls = []
+    original = attn.forward
+
+    def wrapper(self, *args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    attn.forward = types.MethodType(wrapper, attn)
+    installed = vars(attn)["forward"]
+    hooks = dict(model.model._forward_pre_hooks)
+    patchkv.apply(model, art)
+    patchkv.remove(model)
+    assert vars(attn)["forward"] is installed and "patchkv" not in vars(model)
+    assert dict(model.model._forward_pre_hooks) == hooks and "_prepare_cache_for_generation" not in vars(model)
+    model(calibration_ids(1, 5))
+    assert calls == [1]
+
+
+def test_an_interrupted_install_leaves_the_model_as_it_was(model_and_artifact, monkeypatch):
+    model, art = model_and_artifact
+    created = []
+
+    class Interrupting(attention.LatentForward):
+        def __init__(self, module):
+            if created:
+                raise KeyboardInterrupt
+            created.append(module)
+            super().__init__(module)
+
+    monkeypatch.setattr("patchkv.patching.LatentForward", Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        patchkv.apply(model, art)
+    assert created and not patchkv.is_patched(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert not model.model._forward_pre_hooks and "_prepare_cache_for_generation" not in vars(model)
+    monkeypatch.undo()
+    patchkv.apply(model, art)  # and it can be patched afterwards
+    patchkv.remove(model)
+
+
+def test_runtime_options_come_from_typed_arguments_only(model_and_artifact):
+    model, art = model_and_artifact
+    art.calibration["sink_tokens"] = 10 ** 6  # a free-form summary: never read by apply
+    low = art.with_ranks(rank=3)
+    x = calibration_ids(2, 10, seed=4)
+    reference = model(x).logits
+    with patchkv.patched(model, low):
+        assert (model(x).logits - reference).abs().max() > 1e-3
+    for bad in (dict(bits=0), dict(bits=-8), dict(sink_tokens="4"), dict(sink_tokens=1.5), dict(window=-1),
+                dict(top_k=0), dict(top_k_rank=4), dict(bits=True)):
+        with pytest.raises((ValueError, TypeError)):
+            patchkv.apply(model, art, **bad)
+        assert not patchkv.is_patched(model)
+    import numpy as np
+    with patchkv.patched(model, art, sink_tokens=np.int64(2), window=np.int32(3)):
+        pass
+
+
+def test_methods_compose_through_the_registry(model_and_artifact):
+    model, art = model_and_artifact
+    methods = [patchkv.parse_method(s) for s in ("sinks:sink_tokens=2,window=4", "quantized:bits=32", "topk:k=8,rank=4")]
+    assert [m.name for m in methods] == ["sinks", "quantized", "topk"] and methods[2] == patchkv.TopK(8, 4)
+    with patchkv.patched(model, art, methods) as m:
+        assert m.patchkv.plan.describe() == "sinks:sink_tokens=2,window=4 + quantized:bits=32 + topk:k=8,rank=4"
+    with pytest.raises(ValueError, match="Two codec methods"):
+        patchkv.apply(model, art, [patchkv.Quantized(32), patchkv.LowRank(rank=4)])
+    for bad in ("nope", "topk:k=x", "topk:q=3", "topk:k"):
+        with pytest.raises(ValueError):
+            patchkv.parse_method(bad)
+
+
+def test_flash_attention_is_refused_clearly(model_and_artifact):
+    model, art = model_and_artifact
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(patchkv.PatchKVError, match="sdpa"):
+        patchkv.apply(model, art)
+    assert not patchkv.is_patched(model)
+
+
+def test_disk_offloaded_model_calibrates_patches_and_generates(tmp_path):
+    """accelerate dispatch with layers offloaded to disk: parameters sit on meta between forwards; bases
+    follow each layer's execution device."""
+    from accelerate import dispatch_model
+
+    model = make_model("llama")
+    art = patchkv.calibrate(model, calibration_ids(), rank=16, progress=False)
+    x = calibration_ids(2, 10, seed=6)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    reference = model.generate(x, **kwargs)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    assert offloaded.model.layers[0].self_attn.k_proj.weight.device.type == "meta"
+    with patchkv.patched(offloaded, art):
+        out = offloaded.generate(x, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(out.scores, reference.scores)) < 1e-5
