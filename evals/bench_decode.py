@@ -69,7 +69,8 @@ def main() -> None:
             if artifact is not None:
                 patchkv.apply(model, artifact, **spec)
             try:
-                cache = cache_factory() if cache_factory else DynamicCache(config=model.config)
+                cache = cache_factory() if cache_factory else (
+                    patchkv.LatentCache(model) if artifact is not None else DynamicCache(config=model.config))
                 with torch.no_grad():
                     for start in range(0, context, args.chunk):
                         model(input_ids=ids[:, start:min(start + args.chunk, context)], cache=cache, use_cache=True)
