@@ -3,22 +3,105 @@
     patchkv calibrate --model artifacts/reference-llama --data corpus --mode pre_rope --energy 0.9 --out bases/
     patchkv eval --model artifacts/reference-llama --artifact bases/ --tasks patchkv_shakespeare_ppl
     patchkv eval --model ... --artifact pre/ --artifact post/ --sweep --ranks 8,16,32 --out evals/results
+
+Errors: a bad flag value, bad or incompatible artifact, missing path or unknown task prints one line,
+`patchkv: error: ...`, on stderr and exits with status 2 (usage errors) or 1 (everything else), checked
+before any model is run. Set PATCHKV_DEBUG=1 to get the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
 import torch
 
+from .errors import PatchKVError
 
-def _load_model(path: str, dtype: str):
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class UsageError(PatchKVError):
+    """A flag combination or value the command cannot run with: exit status 2, like argparse's own errors."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, `patchkv: error: ...`, without the usage block."""
+
+    def error(self, message: str):  # type: ignore[override]
+        command = self.prog.removeprefix("patchkv").strip()
+        self.exit(2, f"patchkv: error: {message} (see: patchkv {command + ' ' if command else ''}--help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def energy_fraction(text: str) -> float:
+    """argparse type: a share of explained variance in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.9, got {text!r}") from None
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be a fraction of variance in (0, 1], e.g. 0.9, got {text!r}")
+    return value
+
+
+def rank_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers, e.g. 8,16,32."""
+    parts = [t.strip() for t in text.split(",")]
+    try:
+        ranks = [positive_int(t) for t in parts]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, e.g. 8,16,32, got "
+                                         f"{text!r}") from None
+    return ranks
+
+
+def _load_model(path: str, dtype: str, gguf_file: str | None = None):
+    """Model and tokenizer from a folder or Hub name; with `gguf_file`, from that GGUF file inside the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    local = Path(path).expanduser()
+    looks_local = local.exists() or path.startswith(("./", "../", "/", "~")) or path in (".", "..")
+    if looks_local and not local.is_dir():
+        raise FileNotFoundError(f"--model {path}: no such model folder.")
+    kwargs = {}
+    if gguf_file is not None:
+        if looks_local and not (local / gguf_file).is_file():
+            raise FileNotFoundError(f"--gguf-file {gguf_file}: no such file in the model folder {path}.")
+        kwargs["gguf_file"] = gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except ImportError as e:
+        raise PatchKVError(f"loading --model {path}{' --gguf-file ' + gguf_file if gguf_file else ''} needs a "
+                           f"missing package: {e}" + (" (pip install gguf)" if gguf_file else "")) from e
+    except (OSError, ValueError) as e:
+        raise PatchKVError(f"could not load the model {path!r}: {' '.join(str(e).split())}") from e
+    return model, tokenizer
 
 
 def _read_texts(data: str) -> list[str]:
@@ -29,7 +112,7 @@ def _read_texts(data: str) -> list[str]:
     path = Path(data)
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
-        raise SystemExit(f"--data {data}: expected 'corpus', a .txt file, or a directory of .txt files.")
+        raise FileNotFoundError(f"--data {data}: expected 'corpus', a .txt file, or a directory of .txt files.")
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
@@ -45,29 +128,64 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     print(f"wrote {file}\n{artifact}")
 
 
+def _check_out_dir(out: str, name: str) -> Path:
+    """Refuse an output folder that cannot be created or written, before any work; create it."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise UsageError(f"--name {name!r}: expected a plain file stem, e.g. reference_sweep.")
+    folder = Path(out).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"--out {out}: exists and is not a directory.")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"--out {out}: {existing} is a file, so the folder cannot be created.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {out}: {existing} is not writable.")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from .artifact import Artifact
-    from .evaluate import evaluate, format_table, plot, write_csv
+    from .evaluate import evaluate, format_table, plot, task_configs, write_csv
+    from .patching import patched
 
-    model, tokenizer = _load_model(args.model, args.dtype)
+    # every check that needs no model first, then the model and compatibility, then the (slow) evaluation
+    if args.sweep and not args.artifact:
+        raise UsageError("--sweep needs at least one --artifact (one per mode to compare pre- and post-RoPE).")
+    if args.sweep and (args.rank is not None or args.energy is not None):
+        raise UsageError("--sweep takes its ranks from --ranks; drop --rank/--energy.")
+    if args.top_k_rank is not None and args.top_k is None:
+        raise UsageError("--top-k-rank needs --top-k.")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UsageError("--tasks: expected comma-separated task names.")
+    try:
+        task_configs(tasks)
+    except ValueError as e:
+        raise UsageError(f"--tasks: {e}") from e
+    out = _check_out_dir(args.out, args.name) if args.out else None
     artifacts = [Artifact.from_pretrained(a) for a in args.artifact]
     if args.sweep:
-        if not artifacts:
-            raise SystemExit("--sweep needs at least one --artifact (one per mode to compare pre- and post-RoPE).")
-        ranks = [int(r) for r in args.ranks.split(",")]
-        artifacts = [a.with_ranks(rank=r) for a in artifacts for r in ranks]
-    elif args.rank or args.energy:
+        artifacts = [a.with_ranks(rank=r) for a in artifacts for r in args.ranks]
+    elif args.rank is not None or args.energy is not None:
         artifacts = [a.with_ranks(rank=args.rank, energy=args.energy) for a in artifacts]
-    tasks = args.tasks.split(",")
     options = {k: v for k, v in dict(sink_tokens=args.sink_tokens, window=args.window, bits=args.bits,
                                      top_k=args.top_k, top_k_rank=args.top_k_rank).items() if v is not None}
+    for art in artifacts:
+        if args.bits:
+            art.bit_allocation(args.bits)  # a budget out of range is a ValueError here, not after the baseline
+        if args.top_k_rank is not None and args.top_k_rank > art.head_dim:
+            raise ValueError(f"--top-k-rank {args.top_k_rank} exceeds head_dim={art.head_dim}.")
+    model, tokenizer = _load_model(args.model, args.dtype, args.gguf_file)
+    for art in artifacts:
+        art.check_compatible(model)
+        with patched(model, art, **options):  # every option check of apply, before the unpatched baseline runs
+            pass
     rows = evaluate(model, tokenizer, artifacts, tasks=tasks, limit=args.limit, batch_size=args.batch_size,
                     streaming=args.streaming, **options)
     table = format_table(rows)
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         stem = args.name
         write_csv(rows, out / f"{stem}.csv")
         (out / f"{stem}.md").write_text(table + "\n")
@@ -79,8 +197,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_info(args: argparse.Namespace) -> None:
     from .artifact import Artifact
 
-    art = Artifact.from_pretrained(args.artifact)
+    art = Artifact.from_pretrained(args.artifact, sha256=args.sha256)
     print(art)
+    local = Path(args.artifact).expanduser()
+    if local.exists():
+        from .artifact import FILENAME, file_sha256
+
+        print(f"file sha256: {file_sha256(local / FILENAME if local.is_dir() else local)}")
     print(f"KV bytes/token: {art.kv_bytes_per_token()} (uncompressed {art.full_kv_bytes_per_token()})")
     print(f"key ranks:   {art.keys.ranks.tolist()}\nvalue ranks: {art.values.ranks.tolist()}")
     print(f"calibration: {art.calibration}")
@@ -89,15 +212,15 @@ def cmd_info(args: argparse.Namespace) -> None:
 def cmd_push(args: argparse.Namespace) -> None:
     from .artifact import Artifact
 
+    table = Path(args.eval_table).read_text(encoding="utf-8") if args.eval_table else None  # missing: fail first
     art = Artifact.from_pretrained(args.artifact)
-    table = Path(args.eval_table).read_text() if args.eval_table else None
     print(art.push_to_hub(args.repo_id, private=not args.public, eval_table=table))
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .evaluate import DEFAULT_TASKS
 
-    p = argparse.ArgumentParser(prog="patchkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="patchkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("calibrate", help="calibrate PCA bases and save an artifact")
@@ -105,39 +228,43 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", default="corpus", help="'corpus' (Shakespeare training works), a .txt file or folder")
     c.add_argument("--mode", choices=["pre_rope", "post_rope"], default="pre_rope")
     budget = c.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--rank", type=int)
-    budget.add_argument("--energy", type=float)
-    c.add_argument("--max-tokens", type=int, default=65_536)
-    c.add_argument("--sink-tokens", type=int, default=0)
-    c.add_argument("--seq-len", type=int, default=512)
-    c.add_argument("--dtype", default="float32")
+    budget.add_argument("--rank", type=positive_int)
+    budget.add_argument("--energy", type=energy_fraction)
+    c.add_argument("--max-tokens", type=positive_int, default=65_536)
+    c.add_argument("--sink-tokens", type=non_negative_int, default=0)
+    c.add_argument("--seq-len", type=positive_int, default=512)
+    c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--out", required=True, help="output directory or .safetensors file")
     c.set_defaults(func=cmd_calibrate)
 
     e = sub.add_parser("eval", help="lm-eval scores vs KV bytes, patched vs unpatched")
-    e.add_argument("--model", required=True)
+    e.add_argument("--model", required=True, help="HF model folder or name")
+    e.add_argument("--gguf-file", metavar="NAME", help="load the model from this GGUF file inside the --model folder")
     e.add_argument("--artifact", action="append", default=[], help="artifact path or Hub id (repeatable)")
     e.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
-    e.add_argument("--limit", type=int, default=None, help="documents per task (for quick runs)")
-    e.add_argument("--rank", type=int, help="re-truncate the artifacts to this rank")
-    e.add_argument("--energy", type=float, help="re-truncate the artifacts to this explained variance")
+    e.add_argument("--limit", type=positive_int, default=None, help="documents per task (for quick runs)")
+    retruncate = e.add_mutually_exclusive_group()
+    retruncate.add_argument("--rank", type=positive_int, help="re-truncate the artifacts to this rank")
+    retruncate.add_argument("--energy", type=energy_fraction,
+                            help="re-truncate the artifacts to this explained variance, in (0, 1]")
     e.add_argument("--sweep", action="store_true", help="evaluate every artifact at every rank in --ranks")
-    e.add_argument("--ranks", default="8,16,32")
-    e.add_argument("--sink-tokens", type=int, help="keep the first tokens full (default: the artifact's)")
-    e.add_argument("--window", type=int, help="keep the last tokens full")
-    e.add_argument("--bits", type=int, help="quantize latents to this many bits per KV head and token (DP)")
-    e.add_argument("--top-k", type=int, help="decode over the top-k latent-scored middle tokens")
-    e.add_argument("--top-k-rank", type=int, help="components used to score for --top-k")
+    e.add_argument("--ranks", type=rank_list, default=[8, 16, 32], help="comma-separated, for --sweep")
+    e.add_argument("--sink-tokens", type=non_negative_int, help="keep the first tokens full (default: the artifact's)")
+    e.add_argument("--window", type=non_negative_int, help="keep the last tokens full")
+    e.add_argument("--bits", type=positive_int, help="quantize latents to this many bits per KV head and token (DP)")
+    e.add_argument("--top-k", type=positive_int, help="decode over the top-k latent-scored middle tokens")
+    e.add_argument("--top-k-rank", type=positive_int, help="components used to score for --top-k")
     e.add_argument("--streaming", action="store_true",
                    help="score token by token through the cache (needed for --top-k to have any effect)")
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--dtype", default="float32")
+    e.add_argument("--batch-size", type=positive_int, default=8)
+    e.add_argument("--dtype", choices=DTYPES, default="float32")
     e.add_argument("--out", help="directory for the CSV, markdown table and (with --sweep) PNG plot")
     e.add_argument("--name", default="eval", help="file stem for --out")
     e.set_defaults(func=cmd_eval)
 
     i = sub.add_parser("info", help="describe an artifact")
     i.add_argument("artifact")
+    i.add_argument("--sha256", help="expected sha256 of the artifact file (as sha256sum prints it)")
     i.set_defaults(func=cmd_info)
 
     h = sub.add_parser("push", help="upload an artifact and its model card to the Hub")
@@ -149,9 +276,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return lines[0] + (" " + "; ".join(lines[1:]) if len(lines) > 1 else "")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    """Run a command. A user error prints one line `patchkv: error: ...` to stderr and exits with status 2
+    (usage) or 1 (a bad or incompatible artifact, a missing path, ...); PATCHKV_DEBUG=1 re-raises instead."""
+    args = build_parser().parse_args(argv)  # usage errors exit 2 here, in _Parser.error
+    try:
+        args.func(args)
+    except (PatchKVError, OSError, ValueError, ImportError) as e:  # OSError includes FileNotFoundError
+        if os.environ.get("PATCHKV_DEBUG"):
+            raise
+        print(f"patchkv: error: {_one_line(e)}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
+    except KeyboardInterrupt:
+        print("patchkv: error: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,187 @@
+"""The CLI on bad input: one line `patchkv: error: ...` on stderr, exit status 2 (usage) or 1, no traceback, and
+nothing expensive (model loading, the unpatched baseline) before the checks."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import calibration_ids, make_model
+
+import patchkv
+import patchkv.evaluate
+from patchkv import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "artifacts" / "reference-llama")
+PRE = str(ROOT / "artifacts" / "reference-llama-bases" / "pre_rope.safetensors")
+
+
+def run_main(argv, capsys):
+    """(exit status, stdout, stderr) of `patchkv argv` run in this process."""
+    try:
+        cli.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, expected_code, *fragments):
+    """One error line, the last thing on stderr (transformers' own progress bars may come before it)."""
+    assert code == expected_code, err
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("patchkv: error: "), err
+    assert sum("patchkv: error" in line for line in lines) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a model is loaded or an evaluation starts."""
+    def forbidden(*a, **k):
+        raise AssertionError("the expensive part started before the input was checked")
+
+    monkeypatch.setattr(cli, "_load_model", forbidden)
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["eval", "--model", MODEL, "--rank", "0"], "--rank: must be a positive integer"),
+    (["eval", "--model", MODEL, "--rank", "-3"], "--rank: must be a positive integer"),
+    (["eval", "--model", MODEL, "--rank", "x"], "--rank: expected a positive integer"),
+    (["eval", "--model", MODEL, "--energy", "0"], "--energy: must be a fraction"),
+    (["eval", "--model", MODEL, "--energy", "1.5"], "--energy: must be a fraction"),
+    (["eval", "--model", MODEL, "--energy", "nan"], "--energy: must be a fraction"),
+    (["eval", "--model", MODEL, "--rank", "8", "--energy", "0.9"], "not allowed with argument"),
+    (["eval", "--model", MODEL, "--limit", "0"], "--limit: must be a positive integer"),
+    (["eval", "--model", MODEL, "--batch-size", "0"], "--batch-size: must be a positive integer"),
+    (["eval", "--model", MODEL, "--ranks", "8,0"], "--ranks: expected comma-separated positive integers"),
+    (["eval", "--model", MODEL, "--top-k", "0"], "--top-k: must be a positive integer"),
+    (["eval", "--model", MODEL, "--bits", "-1"], "--bits: must be a positive integer"),
+    (["eval", "--model", MODEL, "--sink-tokens", "-1"], "--sink-tokens: must be >= 0"),
+    (["eval", "--model", MODEL, "--dtype", "float8"], "--dtype: invalid choice"),
+    (["eval"], "--model"),
+    (["calibrate", "--model", MODEL, "--out", "x", "--rank", "0"], "--rank: must be a positive integer"),
+    (["calibrate", "--model", MODEL, "--out", "x", "--energy", "0"], "--energy: must be a fraction"),
+    (["calibrate", "--model", MODEL, "--out", "x", "--rank", "4", "--max-tokens", "0"], "--max-tokens"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_bad_flag_values_are_refused_at_parse_time(capsys, no_model, argv, fragment):
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, 2, fragment)
+    assert err.count("\n") == 1  # no usage block either
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["eval", "--model", MODEL, "--tasks", "patchkv_shakespeare_ppl,bogus"], "Unknown task(s) ['bogus']"),
+    (["eval", "--model", MODEL, "--tasks", ","], "--tasks"),
+    (["eval", "--model", MODEL, "--sweep"], "--sweep needs at least one --artifact"),
+    (["eval", "--model", MODEL, "--artifact", PRE, "--sweep", "--rank", "8"], "drop --rank"),
+    (["eval", "--model", MODEL, "--top-k-rank", "4"], "--top-k-rank needs --top-k"),
+    (["eval", "--model", MODEL, "--out", "o", "--name", "a/b"], "--name 'a/b'"),
+])
+def test_bad_flag_combinations_are_usage_errors(capsys, no_model, argv, fragment):
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, 2, fragment)
+    assert err.count("\n") == 1  # no usage block either
+
+
+def test_bad_artifacts_and_paths_fail_before_the_model_loads(tmp_path, capsys, no_model):
+    corrupted = tmp_path / "bad.safetensors"
+    data = bytearray(Path(PRE).read_bytes())
+    data[-10] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["eval", "--model", MODEL, "--artifact", str(tmp_path / "missing.safetensors")], "does not exist"),
+        (["eval", "--model", MODEL, "--artifact", str(corrupted)], "checksum"),
+        (["eval", "--model", MODEL, "--artifact", PRE, "--rank", "65"], "head_dim=64"),
+        (["eval", "--model", MODEL, "--artifact", PRE, "--bits", "100000"], "bits per head must be in"),
+        (["eval", "--model", MODEL, "--artifact", PRE, "--top-k", "4", "--top-k-rank", "65"], "head_dim=64"),
+        (["eval", "--model", MODEL, "--out", str(tmp_path / "file" / "sub")], "is a file"),
+        (["eval", "--model", MODEL, "--out", str(tmp_path / "file")], "not a directory"),
+        (["info", str(tmp_path / "nope")], "No artifact at"),
+        (["info", str(corrupted)], "checksum"),
+        (["info", PRE, "--sha256", "0" * 64], "expected sha256:"),
+        (["info", PRE, "--sha256", "xyz"], "64 hex digits"),
+        (["push", PRE, "me/x", "--eval-table", str(tmp_path / "none.md")], "No such file"),
+        (["push", PRE, "not a repo id"], "not a valid Hub repo id"),
+    ]
+    for argv, fragment in cases:
+        code, _, err = run_main(argv, capsys)
+        assert_one_line_error(code, err, 1, fragment)
+
+
+def test_incompatible_artifact_is_refused_before_the_baseline(tmp_path, capsys, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("the unpatched baseline started before the compatibility check")
+
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
+    other = patchkv.calibrate(make_model("llama"), calibration_ids(), rank=4, progress=False)
+    file = other.save(tmp_path / "other.safetensors")
+    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(file), "--limit", "1"], capsys)
+    assert_one_line_error(code, err, 1, "does not match this model", "num_hidden_layers: artifact has 2")
+
+
+def test_missing_model_folder_and_gguf_file(tmp_path, capsys):
+    code, _, err = run_main(["eval", "--model", str(tmp_path / "nope"), "--tasks", "patchkv_shakespeare_ppl"],
+                            capsys)
+    assert_one_line_error(code, err, 1, "no such model folder")
+    code, _, err = run_main(["eval", "--model", MODEL, "--gguf-file", "absent.gguf"], capsys)
+    assert_one_line_error(code, err, 1, "--gguf-file absent.gguf: no such file")
+
+
+def test_gguf_file_is_passed_to_from_pretrained(tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "gguf-model"
+    folder.mkdir()
+    (folder / "model.Q4.gguf").write_bytes(b"GGUF")
+    seen = []
+    real_model, real_tok = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+
+    def fake(real):
+        def load(path, **kwargs):
+            seen.append((path, kwargs.pop("gguf_file", None)))
+            return real(MODEL, **kwargs)  # stands in for the GGUF: the reference model
+        return load
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake(real_model))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", fake(real_tok))
+    rows = [patchkv.evaluate.EvalRow("unpatched", "-", "-", 0, 1.0, {"patchkv_shakespeare_ppl": 1.0})]
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", lambda *a, **k: rows)
+    code, out, err = run_main(["eval", "--model", str(folder), "--gguf-file", "model.Q4.gguf",
+                               "--artifact", PRE, "--tasks", "patchkv_shakespeare_ppl", "--limit", "1"], capsys)
+    assert code == 0, err
+    assert seen == [(str(folder), "model.Q4.gguf")] * 2 and "unpatched" in out
+
+
+def test_rank_flag_reaches_the_evaluation_and_outputs_are_written(tmp_path, capsys):
+    """One real run, kept small: one task, one document."""
+    code, out, err = run_main(["eval", "--model", MODEL, "--artifact", PRE, "--tasks", "patchkv_shakespeare_ppl",
+                               "--limit", "1", "--rank", "8", "--out", str(tmp_path / "new" / "dir"),
+                               "--name", "t"], capsys)
+    assert code == 0, err
+    assert "pre_rope rank=8" in out and "8.00x" in out
+    assert (tmp_path / "new" / "dir" / "t.csv").is_file() and (tmp_path / "new" / "dir" / "t.md").is_file()
+
+
+def test_info_prints_the_file_sha256(capsys):
+    import hashlib
+
+    code, out, _ = run_main(["info", PRE], capsys)
+    assert code == 0 and f"file sha256: sha256:{hashlib.sha256(Path(PRE).read_bytes()).hexdigest()}" in out
+    code, _, err = run_main(["info", PRE, "--sha256", out.split("file sha256: ")[1].split()[0]], capsys)
+    assert code == 0, err
+
+
+def test_console_entry_point_prints_no_traceback(tmp_path):
+    """The real process: python -m patchkv, as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "patchkv", "info", str(tmp_path / "nope.safetensors")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, 1, "does not exist")
+    assert proc.stderr.count("\n") == 1
