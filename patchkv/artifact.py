@@ -70,11 +70,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from . import hub
+from .adapters import adapter_for, attention_modules
 from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
+from .hub import FILENAME
 from .pca import select_ranks
+from .quantize import allocate_bits
 
 FORMAT_VERSION = 1
-FILENAME = "patchkv.safetensors"
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 _CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -115,10 +118,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def model_identity(model: nn.Module) -> dict[str, Any]:
     """The fields of `model` that an artifact must match, plus its name and architecture class."""
-    from .adapters import adapter_for, attention_modules
-
     config = model.config
-    attn = attention_modules(model, adapter_for(model))[0]
+    adapter = adapter_for(model)
+    attn = attention_modules(model, adapter)[0]
     return {
         "model_type": config.model_type,
         "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
@@ -126,9 +128,9 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": attn.head_dim,
+        "head_dim": adapter.head_dim(attn),
         "hidden_size": config.hidden_size,
-        "dtype": dtype_name(attn.k_proj.weight.dtype),
+        "dtype": dtype_name(adapter.dtype(attn)),
     }
 
 
@@ -170,8 +172,6 @@ class Artifact:
     def bit_allocation(self, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and
         token each, by dynamic programming on the eigenvalues (`patchkv.quantize.allocate_bits`)."""
-        from .quantize import allocate_bits
-
         return allocate_bits(self.keys.eigenvalues, bits), allocate_bits(self.values.eigenvalues, bits)
 
     def full_kv_bytes_per_token(self) -> int:
@@ -301,16 +301,12 @@ class Artifact:
 
     def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True, **kwargs: Any) -> str:
         """Upload to the Hugging Face Hub with a model card; see `patchkv.hub.push_to_hub`."""
-        from .hub import push_to_hub
-
-        return push_to_hub(self, repo_id, token=token, private=private, **kwargs)
+        return hub.push_to_hub(self, repo_id, token=token, private=private, **kwargs)
 
     @classmethod
     def from_pretrained(cls, repo_id_or_path: str | Path, **kwargs: Any) -> Artifact:
         """Load from a local path, or download from the Hub; see `patchkv.hub.from_pretrained`."""
-        from .hub import from_pretrained
-
-        return from_pretrained(repo_id_or_path, **kwargs)
+        return hub.from_pretrained(repo_id_or_path, cls.load, **kwargs)
 
     def _validate(self) -> None:
         """The content checks of the module docstring (step 7), vectorised over layers and heads."""

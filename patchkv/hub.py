@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .artifact import FILENAME, Artifact
 from .errors import ArtifactError, HubError
+
+if TYPE_CHECKING:  # this module sits below patchkv.artifact, which calls it; it only reads artifacts' attributes
+    from .artifact import Artifact
+
+#: The file an artifact repo (and an artifact directory) holds.
+FILENAME = "patchkv.safetensors"
+Loaded = TypeVar("Loaded")
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _BAD_REF_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
@@ -141,11 +148,12 @@ def _is_repo_id(value: str) -> bool:
         return False
 
 
-def from_pretrained(repo_id_or_path: str | Path, *, revision: str | None = None, token: str | None = None,
-                    endpoint: str | None = None, force_download: bool = False,
-                    sha256: str | None = None, cache_dir: str | Path | None = None) -> Artifact:
+def from_pretrained(repo_id_or_path: str | Path, load: Callable[..., Loaded], *, revision: str | None = None,
+                    token: str | None = None, endpoint: str | None = None, force_download: bool = False,
+                    sha256: str | None = None, cache_dir: str | Path | None = None) -> Loaded:
     """Load from a local file or directory if one exists at `repo_id_or_path`, else download from the Hub.
 
+    load: `load(path, sha256=...)` reads the file (`Artifact.load`); it raises `ArtifactError` on any defect.
     revision: branch, tag or 40-hex commit (Hub only). force_download: bypass the local cache.
     cache_dir: the Hub cache to use (default: huggingface_hub's, under HF_HOME).
     sha256: the expected sha256 of the artifact file's bytes (see `Artifact.load`); checked for local files too.
@@ -157,7 +165,7 @@ def from_pretrained(repo_id_or_path: str | Path, *, revision: str | None = None,
     path = Path(repo_id_or_path).expanduser()
     if path.exists():
         try:
-            return Artifact.load(path, sha256=sha256)
+            return load(path, sha256=sha256)
         except ArtifactError as e:
             note = ""
             if isinstance(repo_id_or_path, str) and not looks_like_path(repo_id_or_path) \
@@ -171,7 +179,7 @@ def from_pretrained(repo_id_or_path: str | Path, *, revision: str | None = None,
     repo_id = _check_repo_id(repo_id_or_path)
     try:
         file = _download(repo_id, revision, token, endpoint, force_download, cache_dir)
-        return Artifact.load(file, sha256=sha256)
+        return load(file, sha256=sha256)
     except HubError:
         raise
     except ArtifactError as first:
@@ -180,7 +188,7 @@ def from_pretrained(repo_id_or_path: str | Path, *, revision: str | None = None,
         # a corrupted or stale cache entry: fetch a fresh copy once
         file = _download(repo_id, revision, token, endpoint, True, cache_dir)
         try:
-            return Artifact.load(file, sha256=sha256)
+            return load(file, sha256=sha256)
         except ArtifactError as second:
             raise ArtifactError(f"The artifact from {repo_id!r} is invalid even after a fresh re-download (the "
                                 f"copy on the Hub is bad, or not the file you expected): {second}") from second
