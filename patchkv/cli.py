@@ -80,6 +80,17 @@ def rank_list(text: str) -> list[int]:
     return ranks
 
 
+def method_spec(text: str) -> str:
+    """A `--method` value, checked at parse time by the registry's parser."""
+    from .methods import parse_method
+
+    try:
+        parse_method(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
 def _load_model(path: str, dtype: str, gguf_file: str | None = None):
     """Model and tokenizer from a folder or Hub name; with `gguf_file`, from that GGUF file inside the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,6 +158,7 @@ def _check_out_dir(out: str, name: str) -> Path:
 def cmd_eval(args: argparse.Namespace) -> None:
     from .artifact import Artifact
     from .evaluate import evaluate, format_table, plot, task_configs, write_csv
+    from .methods import build_plan, from_options, parse_method
     from .patching import patched
 
     # every check that needs no model first, then the model and compatibility, then the (slow) evaluation
@@ -169,8 +181,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         artifacts = [a.with_ranks(rank=r) for a in artifacts for r in args.ranks]
     elif args.rank is not None or args.energy is not None:
         artifacts = [a.with_ranks(rank=args.rank, energy=args.energy) for a in artifacts]
-    options = {k: v for k, v in dict(sink_tokens=args.sink_tokens, window=args.window, bits=args.bits,
-                                     top_k=args.top_k, top_k_rank=args.top_k_rank).items() if v is not None}
+    methods = [parse_method(spec) for spec in args.method] + from_options(
+        sink_tokens=args.sink_tokens, window=args.window, bits=args.bits, top_k=args.top_k, top_k_rank=args.top_k_rank)
+    build_plan(methods)  # conflicting methods are refused here, not after the baseline
     for art in artifacts:
         if args.bits:
             art.bit_allocation(args.bits)  # a budget out of range is a ValueError here, not after the baseline
@@ -179,10 +192,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model, tokenizer = _load_model(args.model, args.dtype, args.gguf_file)
     for art in artifacts:
         art.check_compatible(model)
-        with patched(model, art, **options):  # every option check of apply, before the unpatched baseline runs
+        with patched(model, art, methods):  # every check of apply, before the unpatched baseline runs
             pass
     rows = evaluate(model, tokenizer, artifacts, tasks=tasks, limit=args.limit, batch_size=args.batch_size,
-                    streaming=args.streaming, **options)
+                    streaming=args.streaming, methods=methods)
     table = format_table(rows)
     print(table)
     if out is not None:
@@ -219,6 +232,7 @@ def cmd_push(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .evaluate import DEFAULT_TASKS
+    from .methods import METHODS
 
     p = _Parser(prog="patchkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -249,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="re-truncate the artifacts to this explained variance, in (0, 1]")
     e.add_argument("--sweep", action="store_true", help="evaluate every artifact at every rank in --ranks")
     e.add_argument("--ranks", type=rank_list, default=[8, 16, 32], help="comma-separated, for --sweep")
-    e.add_argument("--sink-tokens", type=non_negative_int, help="keep the first tokens full (default: the artifact's)")
+    e.add_argument("--method", action="append", default=[], type=method_spec, metavar="NAME[:FIELD=VALUE,...]",
+                   help=f"a compression method (repeatable), one of: {', '.join(METHODS)}; "
+                        "e.g. --method sinks:sink_tokens=4,window=32 --method quantized:bits=64")
+    e.add_argument("--sink-tokens", type=non_negative_int, help="keep the first tokens exact (= --method sinks)")
     e.add_argument("--window", type=non_negative_int, help="keep the last tokens full")
     e.add_argument("--bits", type=positive_int, help="quantize latents to this many bits per KV head and token (DP)")
     e.add_argument("--top-k", type=positive_int, help="decode over the top-k latent-scored middle tokens")

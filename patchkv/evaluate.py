@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import yaml
 from torch import nn
 
 from .artifact import Artifact
+from .methods import Method
 from .patching import patched
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -62,16 +64,17 @@ class EvalRow:
     label: str
     mode: str
     budget: str
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float
     compression: float
     scores: dict[str, float] = field(default_factory=dict)
 
 
 def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=DEFAULT_TASKS,
              limit: int | None = None, batch_size: int = 8, streaming: bool = False,
-             **options: Any) -> list[EvalRow]:
-    """Baseline first, then each artifact applied in turn with `options` (see `patchkv.apply`); the model is
-    left unpatched. With `streaming`, lm-eval scores through the cache token by token (`StreamingLM`)."""
+             methods: Sequence[Method] = (), bytes_context: int = 1024) -> list[EvalRow]:
+    """Baseline first, then each artifact applied in turn with `methods` (see `patchkv.apply`); the model is
+    left unpatched. With `streaming`, lm-eval scores through the cache token by token (`StreamingLM`).
+    KV bytes per token are measured on a `bytes_context`-token cache (sinks and window amortised over it)."""
 
     def scores() -> dict[str, float]:
         lm = None
@@ -84,15 +87,28 @@ def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=
     first = artifacts[0] if artifacts else None
     full = first.full_kv_bytes_per_token() if first else 0
     rows = [EvalRow("unpatched", "-", "-", full, 1.0, scores())]
-    bits = options.get("bits")
-    extras = "".join(f" {k}={v}" for k, v in options.items() if v and k != "bits")
     for art in artifacts:
-        with patched(model, art, **options):
+        with patched(model, art, methods) as m:
+            plan = m.patchkv.plan.describe()
+            per_token = measured_kv_bytes_per_token(model, bytes_context)
             row_scores = scores()
-        budget = (f"bits={bits}" if bits else budget_label(art)) + extras
-        rows.append(EvalRow(f"{art.mode} {budget}", art.mode, budget, art.kv_bytes_per_token(bits),
-                            art.compression_ratio(bits), row_scores))
+        budget = budget_label(art) + (f" + {plan}" if plan else "")
+        rows.append(EvalRow(f"{art.mode} {budget}", art.mode, budget, round(per_token, 1),
+                            art.full_kv_bytes_per_token() / per_token, row_scores))
     return rows
+
+
+def measured_kv_bytes_per_token(model: nn.Module, context: int = 1024) -> float:
+    """Bytes per token the model's cache really holds after a `context`-token prefill (patched or not)."""
+    import torch
+
+    from .memory import cache_nbytes
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids.to(device), use_cache=True).cache
+    return cache_nbytes(cache) / cache.get_seq_length()
 
 
 def budget_label(art: Artifact) -> str:

@@ -29,7 +29,7 @@ from .attention import LatentForward
 from .cache import LatentCache
 from .context import LayerPatch, Patch
 from .errors import AlreadyPatchedError, PatchKVError
-from .methods import Method, Quantized, SinksWindow, TopK, build_plan
+from .methods import Method, build_plan, from_options
 from .modes import MODES
 from .rope import RopeTable
 
@@ -57,7 +57,7 @@ def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), 
     if not isinstance(artifact, Artifact):
         raise TypeError(f"apply(model, artifact): expected a patchkv.Artifact, got {type(artifact).__name__}.")
     artifact.check_compatible(model)
-    plan = build_plan([*methods, *_shorthands(sink_tokens, window, bits, top_k, top_k_rank)])
+    plan = build_plan([*methods, *from_options(sink_tokens, window, bits, top_k, top_k_rank)])
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
     if implementation not in ("eager", "sdpa"):
         raise PatchKVError(f"patchkv attends over augmented latent features, which attn_implementation="
@@ -79,19 +79,6 @@ def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), 
         _uninstall(model, patch, modules)
         raise
     return model
-
-
-def _shorthands(sink_tokens, window, bits, top_k, top_k_rank) -> list[Method]:
-    out: list[Method] = []
-    if sink_tokens is not None or window is not None:
-        out.append(SinksWindow(0 if sink_tokens is None else sink_tokens, 0 if window is None else window))
-    if bits is not None:
-        out.append(Quantized(bits))
-    if top_k_rank is not None and top_k is None:
-        raise ValueError("top_k_rank needs top_k: pass top_k=<tokens per KV head> as well.")
-    if top_k is not None:
-        out.append(TopK(top_k, top_k_rank))
-    return out
 
 
 def _install(model: nn.Module, patch: Patch, modules: list[nn.Module], layer_patches: list[LayerPatch]) -> None:

@@ -41,6 +41,21 @@ def parse_method(spec: str) -> Method:
     return cls(**kwargs)
 
 
+def from_options(sink_tokens: int | None = None, window: int | None = None, bits: int | None = None,
+                 top_k: int | None = None, top_k_rank: int | None = None) -> list[Method]:
+    """The methods `patchkv.apply`'s keyword shorthands (and the matching CLI flags) stand for."""
+    out: list[Method] = []
+    if sink_tokens is not None or window is not None:
+        out.append(SinksWindow(0 if sink_tokens is None else sink_tokens, 0 if window is None else window))
+    if bits is not None:
+        out.append(Quantized(bits))
+    if top_k_rank is not None and top_k is None:
+        raise ValueError("top_k_rank needs top_k: pass top_k=<tokens per KV head> as well.")
+    if top_k is not None:
+        out.append(TopK(top_k, top_k_rank))
+    return out
+
+
 def build_plan(methods: Iterable[Method]) -> CachePlan:
     """Fold methods into one plan: at most one method per role; `LowRank()` when no codec is given."""
     methods = tuple(methods)
@@ -58,4 +73,4 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
 
 
 __all__ = ["METHODS", "CachePlan", "CodecMethod", "LowRank", "Method", "Quantized", "Selector", "SinksWindow",
-           "TopK", "build_plan", "parse_method"]
+           "TopK", "build_plan", "from_options", "parse_method"]
