@@ -82,10 +82,24 @@ def test_sliding_window_cache_stays_bounded_with_latents(mode):
     assert layer.tensors["latent_keys"].shape == (2, 1, 11, 2 * 6)  # sliding_window - 1 latent tokens kept
 
 
-def test_patched_model_without_cache_still_compresses():
-    """use_cache=False (training-style or lm-eval scoring) goes through the same latent path."""
-    model = make_model("llama")
-    artifact = patchkv.calibrate(model, calibration_ids(), rank=3, progress=False)
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_low_rank_pre_rope_equals_an_unpatched_model_with_projected_weights(use_cache):
+    """An independent reference: pre-RoPE reconstruction mean + U U^T (x - mean) is affine in the hidden
+    state, so it can be baked into k_proj/v_proj of a plain transformers model. The patched model, with or
+    without a cache, must match that model, not just itself."""
+    model = make_model("llama", attention_bias=True)
+    artifact = patchkv.calibrate(model, calibration_ids(), rank=5, progress=False)
+    baked = make_model("llama", attention_bias=True)
+    for layer, attn in enumerate(baked.model.layers):
+        for proj, comps in ((attn.self_attn.k_proj, artifact.keys), (attn.self_attn.v_proj, artifact.values)):
+            u = comps.eigenvectors[layer][:, :, :5].float()  # [kv_heads, head_dim, rank]
+            keep = torch.block_diag(*(h @ h.T for h in u))  # projector on the kept subspace, per head
+            mean = comps.mean[layer].reshape(-1).float()
+            proj.weight.data = keep @ proj.weight.data
+            proj.bias.data = keep @ proj.bias.data + (torch.eye(len(mean)) - keep) @ mean
     x = calibration_ids(2, 16, seed=5)
+    reference = baked(x).logits
     with patchkv.patched(model, artifact):
-        assert torch.allclose(model(x, use_cache=False).logits, model(x, use_cache=True).logits, atol=1e-5)
+        out = model(x, use_cache=use_cache).logits
+    assert (out - reference).abs().max() < 1e-5
+    assert (model(x).logits - reference).abs().max() > 1e-3  # and the truncation matters
