@@ -37,7 +37,8 @@ def parse_method(spec: str) -> Method:
         try:
             kwargs[key] = kind(value)
         except ValueError:
-            raise ValueError(f"Method {name!r}: {key} must be a {kind.__name__}, got {value!r}.") from None
+            raise ValueError(f"Method {name!r}: {key} must be {'a number' if kind is float else 'an integer'}, "
+                             f"got {value!r}.") from None
     return cls(**kwargs)
 
 
