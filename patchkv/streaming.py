@@ -25,11 +25,17 @@ class StreamingLM(LM):
 
     cache_factory: makes the empty cache for each request (default: none, so the model makes its own: a
         `LatentCache` when patched, a `DynamicCache` otherwise).
+    chunk: tokens fed per forward while scoring (1: every scored token is a decode step). A larger chunk is
+        chunked prefill: each token sees the earlier chunks as the cache holds them and its own chunk as the
+        method treats a multi-token forward; many times faster on long contexts.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, cache_factory: Callable[[], Any] | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, chunk: int = 1):
         super().__init__()
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}.")
+        self.chunk = chunk
         self.model, self.tokenizer = model.eval(), tokenizer
         self.cache_factory = cache_factory or (lambda: None)
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", 1024)
@@ -46,20 +52,24 @@ class StreamingLM(LM):
 
     @torch.no_grad()
     def score(self, prefix: list[int], targets: list[int]) -> tuple[float, bool]:
-        """Prefill `prefix`, then decode `targets` one at a time. Returns (sum of log-probs, all greedy)."""
+        """Prefill `prefix`, then feed `targets` `chunk` tokens at a time through the cache.
+        Returns (sum of log-probs of the targets, whether each was the greedy choice)."""
         cache = self.cache_factory()
         device = next(self.model.parameters()).device
         out = self.model(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True)
-        logits, cache = out.logits[0, -1], out.cache
-        total, greedy = 0.0, True
-        for i, token in enumerate(targets):
+        logits, cache = out.logits[0, -1:], out.cache  # [n, vocab]: predictions for the next n targets
+        total, greedy, done = 0.0, True, 0
+        while True:
             logprobs = logits.float().log_softmax(-1)
-            total += logprobs[token].item()
-            greedy = greedy and int(logprobs.argmax()) == token
-            if i + 1 < len(targets):
-                step = torch.tensor([[token]], device=device)
-                out = self.model(input_ids=step, cache=cache, use_cache=True)
-                logits, cache = out.logits[0, -1], out.cache
+            wanted = torch.tensor(targets[done:done + len(logprobs)], device=logprobs.device)
+            total += logprobs.gather(1, wanted.unsqueeze(1)).sum().item()
+            greedy = greedy and bool((logprobs.argmax(-1) == wanted).all())
+            done += len(wanted)
+            if done >= len(targets):
+                break
+            step = torch.tensor([targets[done - 1:min(done - 1 + self.chunk, len(targets) - 1)]], device=device)
+            out = self.model(input_ids=step, cache=cache, use_cache=True)
+            logits, cache = out.logits[0], out.cache
         self.bytes_held += cache_nbytes(cache)
         self.tokens_held += cache.get_seq_length()
         return total, greedy
