@@ -4,6 +4,11 @@
 
 Writes patchkv/tasks/data/{shakespeare_heldout,milton,shakespeare_cloze}.jsonl. The Shakespeare files use
 only the held-out works (patchkv.corpus.HELD_OUT), never seen in training or calibration.
+
+With the SmolLM2 folder present (scripts/get_smollm2.py), also writes the 4k-context perplexity documents
+{shakespeare,milton,prose}_4k.jsonl: consecutive documents of those files (prose: prose_heldout.jsonl, from
+evals/build_prose.py) joined and cut to exactly 4095 SmolLM2 tokens each, so that every document is one
+4096-token window (the prefix token + 4095 scored tokens) for `patchkv_*_ppl_4k`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from pathlib import Path
 
 from patchkv.corpus import milton, shakespeare_held_out
 
-DATA = Path(__file__).resolve().parents[1] / "patchkv" / "tasks" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "patchkv" / "tasks" / "data"
+SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
+LONG_TOKENS = 4095
 
 
 def chunks(texts: list[str], lines_per_chunk: int = 40) -> list[str]:
@@ -49,12 +57,25 @@ def write(name: str, rows: list[dict]) -> None:
     print(f"{path}: {len(rows)} documents")
 
 
+def long_documents(texts: list[str], tokenizer, tokens: int = LONG_TOKENS) -> list[str]:
+    """Join consecutive texts and cut the token stream into documents of exactly `tokens` tokens (the rest dropped)."""
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    return [tokenizer.decode(ids[i:i + tokens]) for i in range(0, len(ids) - tokens + 1, tokens)]
+
+
 def main() -> None:
     DATA.mkdir(parents=True, exist_ok=True)
     held = shakespeare_held_out()
     write("shakespeare_heldout", [{"text": t} for t in chunks(held)])
     write("milton", [{"text": t} for t in chunks(milton())[::3]])
     write("shakespeare_cloze", cloze(held))
+    if SMOLLM2.is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+        for name in ("shakespeare_heldout", "milton", "prose_heldout"):
+            texts = [json.loads(line)["text"] for line in (DATA / f"{name}.jsonl").read_text().splitlines()]
+            write(f"{name.split('_')[0]}_4k", [{"text": t} for t in long_documents(texts, tokenizer)])
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ HEADLINE = {
     "patchkv_shakespeare_ppl": ("byte_perplexity", False),
     "patchkv_milton_ppl": ("byte_perplexity", False),
     "patchkv_shakespeare_cloze": ("acc", True),
+    "patchkv_prose_ppl": ("byte_perplexity", False),
+    **{f"patchkv_{domain}_ppl_4k": ("byte_perplexity", False) for domain in ("prose", "shakespeare", "milton")},
 }
-DEFAULT_TASKS = tuple(HEADLINE)
+DEFAULT_TASKS = ("patchkv_shakespeare_ppl", "patchkv_milton_ppl", "patchkv_shakespeare_cloze")
 
 
 def task_configs(names: list[str] | tuple[str, ...], tasks_dir: Path = TASKS_DIR) -> list[dict[str, Any]]:
