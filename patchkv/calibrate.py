@@ -1,16 +1,21 @@
-"""Calibration: stream text through the model, collect per-head K/V moments with hooks, run PCA."""
+"""Calibration: stream text through the model, collect per-head K/V moments with hooks, run PCA.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+import numbers
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from .adapters import adapter_for, attention_modules
 from .artifact import MODES, Artifact, Components, model_identity
+from .errors import PatchKVError
 from .pca import CovarianceAccumulator, select_ranks
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids [batch, seq], attention_mask [batch, seq]
@@ -18,7 +23,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids [batch, seq], attention_m
 
 def calibrate(
     model: nn.Module,
-    texts_or_dataloader: str | Iterable[str] | torch.Tensor | Iterable[Any],
+    texts_or_dataloader: str | Iterable[str] | torch.Tensor | Mapping | Iterable[Any],
     *,
     mode: str = "pre_rope",
     rank: int | None = None,
@@ -33,58 +38,71 @@ def calibrate(
 ) -> Artifact:
     """Calibrate PCA bases for `model`'s keys and values and return them as an `Artifact`.
 
-    texts_or_dataloader: a string or list of strings (needs `tokenizer`; concatenated and cut into
-        `seq_len`-token sequences), a `[n, seq]` tensor of token ids, or an iterable of batches
-        (dicts with `input_ids` and optionally `attention_mask`, or id tensors).
+    texts_or_dataloader: one of
+        - a string or list of strings (needs `tokenizer`; concatenated and cut into `seq_len`-token sequences);
+        - token ids: a `[n, seq]` tensor / array (split into batches of `batch_size` rows);
+        - a batch mapping such as a tokenizer's `BatchEncoding` (`tok(texts, return_tensors="pt",
+          padding=True)`) or a dict with `input_ids` and optionally `attention_mask` (split into batches of
+          `batch_size` rows);
+        - an iterable of batches (a list, a generator, a `torch.utils.data.DataLoader`) yielding such mappings
+          or id tensors, each used as one batch.
+        Padded positions (`attention_mask == 0`, left or right) never enter the statistics, and real tokens get
+        positions counted from each row's first real token.
     mode: "pre_rope" (keys before rotary embedding) or "post_rope" (rotated keys).
     rank / energy: exactly one; per-head ranks are a fixed count, or the fewest components that
         explain `energy` of the variance. Change later without recalibrating: `artifact.with_ranks`.
     max_tokens: stop after this many tokens have contributed statistics.
-    sink_tokens: leave the first `sink_tokens` positions of every sequence out of the statistics
+    sink_tokens: leave the first `sink_tokens` real tokens of every sequence out of the statistics
         (attention sinks have outlying keys and would skew the bases).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    _check_options(mode=mode, max_tokens=max_tokens, sink_tokens=sink_tokens, seq_len=seq_len,
+                   batch_size=batch_size)
+    _check_not_patched(model)
     adapter = adapter_for(model)
     modules = attention_modules(model, adapter)
     dim, heads = modules[0].head_dim, modules[0].config.num_key_value_heads
     select_ranks(torch.ones(dim), rank, energy)  # validate the budget before spending time on data
-    if sink_tokens < 0:
-        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}.")
 
     stats = {kind: [CovarianceAccumulator(heads, dim) for _ in modules] for kind in ("keys", "values")}
     token_mask: list[torch.Tensor] = []  # the current batch's [batch, seq] mask of tokens to count
 
     def collect(attn: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        _, k, v = adapter.project_qkv(attn, hidden)
-        if mode == "post_rope":
-            cos, sin = kwargs["position_embeddings"]
-            k = adapter.rotate(k, cos, sin)
-        keep = token_mask[0].to(k.device)
-        for kind, x in (("keys", k), ("values", v)):
-            # [batch, heads, seq, dim] -> [heads, n, dim] over the kept tokens
-            stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, keep])
+        # accelerate (device_map with offload) moves inputs and loads weights of a hooked module inside its
+        # forward, which runs after this pre-hook: do the same here (the projections' own hooks do the rest)
+        hook = getattr(attn, "_hf_hook", None)
+        if hook is not None:
+            args, kwargs = hook.pre_forward(attn, *args, **kwargs)
+        try:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            _, k, v = adapter.project_qkv(attn, hidden)
+            if mode == "post_rope":
+                cos, sin = kwargs["position_embeddings"]
+                k = adapter.rotate(k, cos.to(k.device), sin.to(k.device))
+            for kind, x in (("keys", k), ("values", v)):
+                # [batch, heads, seq, dim] -> [heads, n, dim] over the kept tokens
+                stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, token_mask[0].to(x.device)])
+        finally:
+            if hook is not None:
+                hook.post_forward(attn, None)
 
     hooks = [m.register_forward_pre_hook(collect, with_kwargs=True) for m in modules]
     seen = sequences = 0
     bar = tqdm(total=max_tokens, desc="patchkv calibrate", unit="tok", disable=not progress)
     was_training = model.training
-    device = next(model.parameters()).device
+    device = _input_device(model)
     model.eval()
     try:
         with torch.no_grad():
-            for input_ids, attention_mask in _batches(texts_or_dataloader, tokenizer, seq_len, batch_size):
-                # real tokens past each row's first sink_tokens (left padding does not count as a position)
-                keep = attention_mask.bool() & (attention_mask.cumsum(1) > sink_tokens)
-                over = int(keep.sum()) - (max_tokens - seen)
-                if over > 0:  # drop the surplus from the end so exactly max_tokens are counted
-                    flat = keep.flatten()
-                    flat[flat.nonzero().squeeze(1)[-over:]] = False
-                    keep = flat.view_as(keep)
-                token_mask[:] = [keep]
-                model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+            batches = _batches(texts_or_dataloader, tokenizer, seq_len, batch_size)
+            for input_ids, attention_mask in batches:
+                keep = _counted_tokens(attention_mask, sink_tokens, max_tokens - seen)
                 counted = int(keep.sum())
+                if counted:
+                    token_mask[:] = [keep]
+                    # positions count from each row's first real token (as generate() does for left padding)
+                    positions = (attention_mask.cumsum(1) - 1).clamp_min(0)
+                    model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                          position_ids=positions.to(device), use_cache=False)
                 seen, sequences = seen + counted, sequences + int(keep.any(1).sum())
                 bar.update(counted)
                 if seen >= max_tokens:
@@ -107,33 +125,157 @@ def calibrate(
             eigenvectors=torch.stack([p.eigenvectors for p in pcas]),
             ranks=select_ranks(eigenvalues, rank, energy),
         )
+    selection = {"rank": None if rank is None else int(rank), "energy": None if energy is None else float(energy)}
     calibration = {"source": source or _describe(texts_or_dataloader), "tokens": seen, "sequences": sequences,
-                   "seq_len": seq_len, "sink_tokens": sink_tokens, "rank_selection": {"rank": rank, "energy": energy}}
+                   "seq_len": int(seq_len), "sink_tokens": int(sink_tokens), "rank_selection": selection}
     return Artifact(mode=mode, model=model_identity(model), calibration=calibration, **parts)
 
 
+# ----- validation ---------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any, batch_size: Any) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    for name, value, low, hint in (
+        ("sink_tokens", sink_tokens, 0, "0 keeps every token; 4 leaves the usual attention sinks out"),
+        ("seq_len", seq_len, 1, "the length of the sequences cut from text, e.g. 512"),
+        ("batch_size", batch_size, 1, "sequences per forward pass, e.g. 4"),
+        ("max_tokens", max_tokens, 1, "the number of tokens to collect statistics on, e.g. 65536"),
+    ):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__}); "
+                             f"pass {name}=<int> ({hint}).")
+
+
+def _check_not_patched(model: nn.Module) -> None:
+    from .patching import is_patched
+
+    if is_patched(model):
+        raise PatchKVError(
+            "calibrate() needs the original model, but this model is patched by patchkv: its attention would "
+            "collect statistics of compressed keys and values. Call patchkv.remove(model) first, then calibrate."
+        )
+
+
+# ----- token accounting -----------------------------------------------------------------------------------
+
+
+def _counted_tokens(attention_mask: torch.Tensor, sink_tokens: int, budget: int) -> torch.Tensor:
+    """`[batch, seq]` bool: real tokens past each row's first `sink_tokens` real tokens (padding, left or right,
+    is not a position), of which at most `budget`, the first in row-major order."""
+    keep = attention_mask.bool() & (attention_mask.cumsum(1) > sink_tokens)
+    over = int(keep.sum()) - budget
+    if over > 0:  # drop the surplus from the end so exactly max_tokens are counted
+        flat = keep.flatten()
+        flat[flat.nonzero().squeeze(1)[-over:]] = False
+        keep = flat.view_as(keep)
+    return keep
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    """Where input ids go: the embedding's device, or its accelerate execution device when it is offloaded."""
+    embeddings = model.get_input_embeddings()
+    hook = getattr(embeddings, "_hf_hook", None)
+    execution = getattr(hook, "execution_device", None)
+    if execution is not None:
+        return torch.device("cuda", execution) if isinstance(execution, int) else torch.device(execution)
+    weight = next(embeddings.parameters(), None)
+    if weight is not None and weight.device.type != "meta":
+        return weight.device
+    return torch.device("cpu")
+
+
+# ----- inputs ---------------------------------------------------------------------------------------------
+
+
+def _is_texts(data: Any) -> bool:
+    return isinstance(data, (list, tuple)) and bool(data) and isinstance(data[0], str)
+
+
 def _batches(data: Any, tokenizer: Any, seq_len: int, batch_size: int) -> Iterator[Batch]:
-    if isinstance(data, str) or (isinstance(data, (list, tuple)) and data and isinstance(data[0], str)):
+    if not isinstance(data, (str, list, tuple, Mapping, torch.Tensor, np.ndarray)) and isinstance(data, Iterable):
+        # a generator or a DataLoader: look at the first item to tell texts from batches
+        data = iter(data)
+        first = next(data, None)
+        if first is None:
+            return
+        data = itertools.chain([first], data)
+        if isinstance(first, str):
+            data = list(data)
+    if isinstance(data, str) or _is_texts(data):
         if tokenizer is None:
             raise ValueError("Calibrating on text needs a tokenizer: calibrate(model, texts, tokenizer=tokenizer).")
         yield from _text_batches([data] if isinstance(data, str) else data, tokenizer, seq_len, batch_size)
         return
-    if isinstance(data, torch.Tensor):
-        data = data.unsqueeze(0) if data.dim() == 1 else data
-        for start in range(0, data.shape[0], batch_size):
-            chunk = data[start:start + batch_size]
-            yield chunk, torch.ones_like(chunk)
+    if isinstance(data, (Mapping, torch.Tensor, np.ndarray)):  # one block of rows: cut into batches
+        ids, mask = _as_batch(data)
+        for start in range(0, ids.shape[0], batch_size):
+            yield ids[start:start + batch_size], mask[start:start + batch_size]
         return
+    if not isinstance(data, Iterable):
+        raise TypeError(_INPUT_HELP.format(found=type(data).__name__))
     for batch in data:
-        if isinstance(batch, dict):
-            ids = torch.as_tensor(batch["input_ids"])
-            mask = torch.as_tensor(batch["attention_mask"]) if "attention_mask" in batch else torch.ones_like(ids)
-        else:
-            ids = torch.as_tensor(batch)
-            mask = torch.ones_like(ids)
-        if ids.dim() == 1:
-            ids, mask = ids.unsqueeze(0), mask.unsqueeze(0)
-        yield ids, mask
+        yield _as_batch(batch)
+
+
+_INPUT_HELP = ("calibrate() takes text (a string or list of strings, with tokenizer=), token ids (a [n, seq] tensor), a "
+               "batch mapping with 'input_ids' and optionally 'attention_mask' (e.g. tokenizer(texts, "
+               "return_tensors='pt', padding=True)), or an iterable / DataLoader of such batches; found {found}.")
+
+
+def _as_batch(batch: Any) -> Batch:
+    """One batch as `[batch, seq]` int64 ids and a 0/1 mask (rows of different lengths are right-padded)."""
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise TypeError(f"A calibration batch given as a mapping needs an 'input_ids' entry; found keys "
+                            f"{list(batch)}. " + _INPUT_HELP.format(found=type(batch).__name__))
+        ids, real = _as_rows(batch["input_ids"], "input_ids")
+        given = batch.get("attention_mask")
+        mask = real.long() if given is None else _as_rows(given, "attention_mask")[0]
+    elif isinstance(batch, str) or batch is None:
+        raise TypeError(_INPUT_HELP.format(found=f"a batch of type {type(batch).__name__}"))
+    else:
+        ids, real = _as_rows(batch, "input_ids")
+        mask = real.long()
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape {tuple(ids.shape)}; "
+                         "they must match (one 0/1 entry per token).")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), found other values; pass "
+                         "the 2-D padding mask a tokenizer returns, not a 4-D or additive mask.")
+    return ids, mask * real.long()
+
+
+def _as_rows(x: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[batch, seq]` int64 tensor from a tensor, array or (possibly ragged) nested list, and the bool mask of
+    its entries that were given (False where ragged rows were padded with 0)."""
+    if isinstance(x, (list, tuple)) and x and not isinstance(x[0], numbers.Number) and len({len(r) for r in x}) > 1:
+        length = max(len(r) for r in x)
+        real = torch.tensor([[True] * len(r) + [False] * (length - len(r)) for r in x])
+        x = [list(map(int, r)) + [0] * (length - len(r)) for r in x]
+    else:
+        real = None
+    try:
+        t = torch.stack(list(x)) if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor) else \
+            torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name} must be token ids (a tensor, array or nested list of ints), got "
+                        f"{type(x).__name__}: {e}. " + _INPUT_HELP.format(found=type(x).__name__)) from None
+    if t.dtype == torch.bool:
+        t = t.long()
+    if t.is_complex() or (t.is_floating_point() and (name == "input_ids" or not bool((t == t.round()).all()))):
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}.")
+    t = t.long().cpu()
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be [batch, seq] (or one [seq] sequence), got shape {tuple(t.shape)}.")
+    return t, torch.ones_like(t, dtype=torch.bool) if real is None else real.view_as(t)
 
 
 def _text_batches(texts: Iterable[str], tokenizer: Any, seq_len: int, batch_size: int) -> Iterator[Batch]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +31,31 @@ class CovarianceAccumulator:
         self.count = 0
 
     def add(self, x: torch.Tensor) -> None:
-        """x: `[heads, n, dim]`."""
-        x = x.detach().to("cpu", torch.float64)
-        self.total += x.sum(dim=1)
-        self.outer += x.transpose(1, 2) @ x
+        """x: `[heads, n, dim]`, on any device. The sums are formed in float64 where `x` lives (so a GPU sends
+        `[heads, dim, dim]` per call, not the samples; MPS has no float64 and sends the samples) and kept on CPU."""
+        x = x.detach()
+        if x.device.type == "mps":
+            x = x.cpu()
+        x = x.to(torch.float64)
+        self.total += x.sum(dim=1).cpu()
+        self.outer += (x.transpose(1, 2) @ x).cpu()
         self.count += x.shape[1]
+
+    def moments(self) -> torch.Tensor:
+        """count, sums and outer-product sums as one flat float64 vector (counts are exact below 2**53)."""
+        count = torch.tensor([float(self.count)], dtype=torch.float64)
+        return torch.cat([count, self.total.flatten(), self.outer.flatten()])
+
+    def load_moments(self, vector: torch.Tensor) -> None:
+        """The inverse of `moments` (e.g. after summing the vectors of several processes)."""
+        heads, dim = self.total.shape
+        vector = vector.to("cpu", torch.float64)
+        if vector.numel() != 1 + heads * dim + heads * dim * dim:
+            raise ValueError(f"expected {1 + heads * dim + heads * dim * dim} moments for {heads} heads of dim {dim}, "
+                             f"got {vector.numel()}")
+        self.count = int(round(float(vector[0])))
+        self.total = vector[1:1 + heads * dim].reshape(heads, dim).clone()
+        self.outer = vector[1 + heads * dim:].reshape(heads, dim, dim).clone()
 
     def pca(self) -> PCA:
         if self.count < 2:
@@ -66,14 +88,17 @@ def select_ranks(eigenvalues: torch.Tensor, rank: int | None = None, energy: flo
     if (rank is None) == (energy is None):
         raise ValueError(f"Pass exactly one of rank= (an int in [1, {dim}]) or energy= (a float in (0, 1]).")
     if rank is not None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= dim:
+        # any integer type (int, numpy.int64, ...), but not bool
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 1 <= int(rank) <= dim:
             raise ValueError(
-                f"rank must be an int in [1, head_dim={dim}], got {rank!r}; "
+                f"rank must be an integer in [1, head_dim={dim}], got {rank!r} ({type(rank).__name__}); "
                 f"a rank above head_dim would store more than the uncompressed cache."
             )
-        return torch.full(eigenvalues.shape[:-1], rank, dtype=torch.int64)
-    if not 0.0 < float(energy) <= 1.0:
-        raise ValueError(f"energy must be a fraction of variance in (0, 1], got {energy!r}, e.g. energy=0.95.")
+        return torch.full(eigenvalues.shape[:-1], int(rank), dtype=torch.int64)
+    if (isinstance(energy, bool) or not isinstance(energy, numbers.Real) or not math.isfinite(float(energy))
+            or not 0.0 < float(energy) <= 1.0):
+        raise ValueError(f"energy must be a real number in (0, 1] (a fraction of variance), got {energy!r} "
+                         f"({type(energy).__name__}); e.g. energy=0.95.")
     share = eigenvalues.double().cumsum(-1) / eigenvalues.double().sum(-1, keepdim=True).clamp_min(1e-300)
     ranks = (share < float(energy) - 1e-12).sum(-1) + 1
     return ranks.clamp(1, dim)
