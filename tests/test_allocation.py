@@ -1,0 +1,110 @@
+import itertools
+
+import pytest
+import torch
+
+from patchkv.allocation import (allocate_bits_global, allocate_bits_grouped, expected_distortion, marginal_gains,
+                                weighted_pca)
+from patchkv.quantize import GAUSSIAN_MSE, allocate_bits
+
+
+def brute_force(lam: torch.Tensor, budget: int, max_bits: int) -> float:
+    best = float("inf")
+    for bits in itertools.product(range(max_bits + 1), repeat=len(lam)):
+        if sum(bits) <= budget:
+            best = min(best, float(expected_distortion(lam, torch.tensor(bits))))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_global_allocation_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    lam = torch.rand(4, generator=g) ** 3 * 10 ** torch.randint(-2, 3, (4,), generator=g)
+    for budget in (0, 1, 3, 6, 9, 16):
+        bits = allocate_bits_global(lam, budget, max_bits=4)
+        assert int(bits.sum()) == min(budget, 16) and bits.max() <= 4 and bits.min() >= 0
+        assert float(expected_distortion(lam, bits)) == pytest.approx(brute_force(lam, budget, 4), rel=1e-12)
+
+
+def test_global_allocation_agrees_with_the_per_head_dp():
+    lam = torch.tensor([5.0, 2.0, 1.0, 0.3, 0.01, 0.0])
+    for budget in (1, 4, 10, 20):
+        dp = allocate_bits(lam[None], budget)[0]
+        greedy = allocate_bits_global(lam, budget)
+        assert float(expected_distortion(lam, greedy)) == pytest.approx(float(expected_distortion(lam, dp)))
+
+
+def test_one_pool_beats_equal_budgets_per_group():
+    loud, quiet = torch.tensor([100.0, 50.0, 10.0]), torch.tensor([0.01, 0.005, 0.001])
+    pooled = allocate_bits_grouped([loud, quiet], 12)
+    equal = [allocate_bits_global(loud, 6), allocate_bits_global(quiet, 6)]
+    cost = lambda bits: sum(float(expected_distortion(x, b)) for x, b in zip((loud, quiet), bits))  # noqa: E731
+    assert int(sum(b.sum() for b in pooled)) == 12
+    assert pooled[0].sum() > pooled[1].sum()  # the bits go where the effect is
+    assert cost(pooled) < cost(equal)
+
+
+def test_bits_are_monotone_in_variance_and_budget():
+    lam = torch.tensor([0.1, 8.0, 1.0, 3.0])
+    bits = allocate_bits_global(lam, 9)
+    order = torch.argsort(lam, descending=True)
+    assert torch.all(bits[order][:-1] >= bits[order][1:])
+    prev = torch.zeros(4, dtype=torch.long)
+    for budget in range(0, 33):
+        now = allocate_bits_global(lam, budget, max_bits=8)
+        assert torch.all(now >= prev)  # more budget never takes a bit away
+        prev = now
+
+
+def test_marginal_gains_are_decreasing():
+    gains = marginal_gains(torch.tensor([1.0, 2.0]))
+    assert gains.shape == (2, len(GAUSSIAN_MSE) - 1)
+    assert torch.all(gains[:, 1:] < gains[:, :-1])
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError):
+        allocate_bits_global(torch.ones(2, 2), 3)
+    with pytest.raises(ValueError):
+        allocate_bits_global(torch.ones(3), -1)
+
+
+def _random_cov(d, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, d, generator=g, dtype=torch.float64) * torch.logspace(0, -2, d, dtype=torch.float64)
+    return a @ a.T
+
+
+def test_weighted_pca_without_weight_is_plain_pca():
+    c = _random_cov(6, 0)
+    enc, lam, dec = weighted_pca(c, None, return_decoder=True)
+    assert torch.allclose(enc.T @ c @ enc, torch.diag(lam), atol=1e-10)
+    assert torch.allclose(dec @ enc, torch.eye(6, dtype=torch.float64), atol=1e-10)
+    assert torch.all(lam[:-1] >= lam[1:])
+
+
+def test_weighted_pca_eigenvalues_are_weighted_truncation_costs():
+    d = 6
+    c, w = _random_cov(d, 1), _random_cov(d, 2) + 0.1 * torch.eye(d, dtype=torch.float64)
+    enc, lam, dec = weighted_pca(c, w, ridge=0.0, return_decoder=True)
+    assert torch.allclose(enc @ dec, torch.eye(d, dtype=torch.float64), atol=1e-8)
+    assert torch.allclose(enc.T @ c @ enc, torch.diag(lam), atol=1e-8)  # coefficients are uncorrelated
+    for r in range(d + 1):
+        # keeping the first r components costs exactly the sum of the other eigenvalues, in units of W
+        p = enc[:, :r] @ dec[:r]                 # x_hat - mean = (x - mean) @ p
+        e = torch.eye(d, dtype=torch.float64) - p
+        cost = torch.trace(e.T @ c @ e @ w)
+        assert float(cost) == pytest.approx(float(lam[r:].sum()), rel=1e-6, abs=1e-9)
+
+
+def test_weighted_pca_beats_plain_pca_under_its_own_cost():
+    d, r = 8, 3
+    c, w = _random_cov(d, 3), _random_cov(d, 4) + 0.01 * torch.eye(d, dtype=torch.float64)
+
+    def cost(enc, dec):
+        e = torch.eye(d, dtype=torch.float64) - enc[:, :r] @ dec[:r]
+        return float(torch.trace(e.T @ c @ e @ w))
+
+    plain_enc, _ = weighted_pca(c, None)
+    wenc, _, wdec = weighted_pca(c, w, ridge=0.0, return_decoder=True)
+    assert cost(wenc, wdec) < cost(plain_enc, plain_enc.T)
