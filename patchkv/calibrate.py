@@ -1,8 +1,15 @@
 """Calibration: stream text through the model, collect per-head K/V moments with hooks, run PCA.
+
+Under `torchrun` / `accelerate launch` (an initialized process group of more than one process) every rank
+iterates the same data, runs the forward passes of its share of the batches (batch `b` on rank
+`b % world_size`) and the float64 moments are summed across ranks before the PCA (`patchkv.distributed`).
+Token accounting (`max_tokens`, sinks, padding) is done on the whole stream by every rank, so all ranks stop
+at the same batch, count the same tokens and return the same `Artifact` as a single process on that data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import numbers
 from collections.abc import Iterable, Iterator, Mapping
@@ -15,6 +22,7 @@ from tqdm.auto import tqdm
 
 from .adapters import adapter_for, attention_modules
 from .artifact import MODES, Artifact, Components, model_identity
+from .distributed import World, all_gather, all_reduce_sum, world
 from .errors import PatchKVError
 from .pca import CovarianceAccumulator, select_ranks
 
@@ -51,9 +59,12 @@ def calibrate(
     mode: "pre_rope" (keys before rotary embedding) or "post_rope" (rotated keys).
     rank / energy: exactly one; per-head ranks are a fixed count, or the fewest components that
         explain `energy` of the variance. Change later without recalibrating: `artifact.with_ranks`.
-    max_tokens: stop after this many tokens have contributed statistics.
+    max_tokens: stop after this many tokens (over all processes) have contributed statistics.
     sink_tokens: leave the first `sink_tokens` real tokens of every sequence out of the statistics
         (attention sinks have outlying keys and would skew the bases).
+
+    In a process group of several processes, pass the same (unsharded) data on every rank; see the module
+    docstring.
     """
     _check_options(mode=mode, max_tokens=max_tokens, sink_tokens=sink_tokens, seq_len=seq_len,
                    batch_size=batch_size)
@@ -62,6 +73,8 @@ def calibrate(
     modules = attention_modules(model, adapter)
     dim, heads = modules[0].head_dim, modules[0].config.num_key_value_heads
     select_ranks(torch.ones(dim), rank, energy)  # validate the budget before spending time on data
+    here = world()
+    _check_unsharded(texts_or_dataloader, here)
 
     stats = {kind: [CovarianceAccumulator(heads, dim) for _ in modules] for kind in ("keys", "values")}
     token_mask: list[torch.Tensor] = []  # the current batch's [batch, seq] mask of tokens to count
@@ -87,22 +100,25 @@ def calibrate(
 
     hooks = [m.register_forward_pre_hook(collect, with_kwargs=True) for m in modules]
     seen = sequences = 0
-    bar = tqdm(total=max_tokens, desc="patchkv calibrate", unit="tok", disable=not progress)
+    fingerprint = hashlib.blake2b(digest_size=8)  # of the stream every rank iterated, compared at the end
+    bar = tqdm(total=max_tokens, desc="patchkv calibrate", unit="tok", disable=not progress or here.rank != 0)
     was_training = model.training
     device = _input_device(model)
     model.eval()
     try:
         with torch.no_grad():
             batches = _batches(texts_or_dataloader, tokenizer, seq_len, batch_size)
-            for input_ids, attention_mask in batches:
+            for index, (input_ids, attention_mask) in enumerate(batches):
                 keep = _counted_tokens(attention_mask, sink_tokens, max_tokens - seen)
                 counted = int(keep.sum())
-                if counted:
+                if here.owns(index) and counted:
                     token_mask[:] = [keep]
                     # positions count from each row's first real token (as generate() does for left padding)
                     positions = (attention_mask.cumsum(1) - 1).clamp_min(0)
                     model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                           position_ids=positions.to(device), use_cache=False)
+                if here.distributed:
+                    fingerprint.update(input_ids.numpy().tobytes() + keep.numpy().tobytes())
                 seen, sequences = seen + counted, sequences + int(keep.any(1).sum())
                 bar.update(counted)
                 if seen >= max_tokens:
@@ -112,6 +128,9 @@ def calibrate(
             h.remove()
         bar.close()
         model.train(was_training)
+    if here.distributed:
+        _check_same_stream(fingerprint, seen, here)
+        _sum_over_ranks([acc for accs in stats.values() for acc in accs])
     if seen < 2:
         raise ValueError("Calibration saw fewer than 2 tokens; pass more text (or a smaller sink_tokens).")
 
@@ -160,6 +179,40 @@ def _check_not_patched(model: nn.Module) -> None:
             "calibrate() needs the original model, but this model is patched by patchkv: its attention would "
             "collect statistics of compressed keys and values. Call patchkv.remove(model) first, then calibrate."
         )
+
+
+def _check_unsharded(data: Any, here: World) -> None:
+    if not here.distributed:
+        return
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if isinstance(data, DataLoader):
+        samplers = [data.sampler, getattr(data.batch_sampler, "sampler", None)]
+        if any(isinstance(s, DistributedSampler) for s in samplers):
+            raise ValueError(
+                f"calibrate() shards the data across the {here.size} processes itself (batch b on rank "
+                "b % world_size) and needs every rank to pass the same, whole data; this DataLoader uses a "
+                "DistributedSampler, which would shard it twice. Pass a DataLoader without it."
+            )
+
+
+def _check_same_stream(fingerprint: Any, seen: int, here: World) -> None:
+    mine = torch.tensor([int.from_bytes(fingerprint.digest(), "little", signed=True), seen], dtype=torch.int64)
+    everyone = all_gather(mine)
+    if not bool((everyone == mine).all()):
+        raise PatchKVError(
+            f"The {here.size} calibration processes iterated different data (token counts by rank: "
+            f"{everyone[:, 1].tolist()}). Every rank must pass the same data in the same order (calibrate() "
+            "shards it itself): use a fixed seed or shuffle=False, and no DistributedSampler."
+        )
+
+
+def _sum_over_ranks(accumulators: list[CovarianceAccumulator]) -> None:
+    """Sum every accumulator's moments over all ranks, in one all-reduce."""
+    vectors = [acc.moments() for acc in accumulators]
+    total = all_reduce_sum(torch.cat(vectors))
+    for acc, part in zip(accumulators, total.split([v.numel() for v in vectors])):
+        acc.load_moments(part)
 
 
 # ----- token accounting -----------------------------------------------------------------------------------

