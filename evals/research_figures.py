@@ -457,8 +457,8 @@ def fig3() -> None:
                        "evaluated_on": domain, "sequences": len(sub), "pos_lo": lo, "pos_hi": hi - 1}
                 for name in err:
                     row[f"{name}_rel_l2"] = round(float(err[name][lo:hi].sum() / norm[name][lo:hi].sum()) ** 0.5, 5)
-                row["key_norm_rms"] = round(float(norm["keys"][lo:hi].sum() / ((hi - lo) * len(sub) * 90)) ** 0.5, 3)
-                row["value_norm_rms"] = round(float(norm["values"][lo:hi].sum() / ((hi - lo) * len(sub) * 90)) ** 0.5, 3)
+                row["key_head_vector_norm_rms"] = round(float(norm["keys"][lo:hi].sum() / ((hi - lo) * len(sub) * 90)) ** 0.5, 3)
+                row["value_head_vector_norm_rms"] = round(float(norm["values"][lo:hi].sum() / ((hi - lo) * len(sub) * 90)) ** 0.5, 3)
                 rows.append(row)
             print(f"fig3 sinks={with_sinks} {domain}", flush=True)
     # control: post-RoPE bases from long sequences (all positions 0..8191: held-out verse sequences 0 and 1),
