@@ -129,8 +129,11 @@ class LatentLayer(CacheLayerMixin):
             visible = min(kept, self.sliding_window - 1 + query_len)
             t["latent_keys"], t["latent_values"] = t["latent_keys"][:, :, -visible:], t["latent_values"][:, :, -visible:]
             kept = visible
-        positions = self.track.positions[:, self.cumulative_length - kept: self.cumulative_length]
-        return t, positions
+        return t, self._positions(kept)
+
+    def _positions(self, kept: int) -> torch.Tensor:
+        """True positions `[batch, kept]` of the last `kept` tokens seen."""
+        return self.track.positions[:, self.cumulative_length - kept: self.cumulative_length]
 
     @property
     def sink_len(self) -> int:
@@ -158,8 +161,7 @@ class LatentLayer(CacheLayerMixin):
         middle = codec.basis.reconstruct(codec.decode(t[f"latent_{kind}"])).to(t[f"sink_{kind}"].dtype)
         full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
         if kind == "keys":
-            positions = self.track.positions[:, self.cumulative_length - self.kept: self.cumulative_length]
-            full = self.patch.patch.mode.cached_keys_as_rotated(self.patch, full, positions)
+            full = self.patch.patch.mode.cached_keys_as_rotated(self.patch, full, self._positions(self.kept))
         return full
 
     @property

@@ -36,26 +36,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"patchkv: error: {message} (see: patchkv {command + ' ' if command else ''}--help)\n")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
-    return value
+def _integer_at_least(minimum: int, expected: str, bound: str):
+    """An argparse type: an integer >= `minimum`; `expected`/`bound` word the two errors."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+positive_int = _integer_at_least(1, "a positive integer", "a positive integer (>= 1)")
+non_negative_int = _integer_at_least(0, "an integer >= 0", ">= 0")
 
 
 def energy_fraction(text: str) -> float:
