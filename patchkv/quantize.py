@@ -57,7 +57,10 @@ def allocate_bits(eigenvalues: torch.Tensor, budget: int, max_bits: int = MAX_BI
 class CoefficientQuantizer(nn.Module):
     """Fixed-rate codes for one layer's latents `[batch, heads, seq, max_rank]` -> uint8 `[batch, 1, seq, bytes]`.
 
-    bits: `[heads, max_rank]` per component; std: `[heads, max_rank]` calibrated standard deviations.
+    bits: `[heads, max_rank]` per component (0 drops it; a head, or a whole layer, may get none); std: `[heads,
+    max_rank]` calibrated standard deviations. A token's code is `bytes_per_token = ceil(total_bits / 8)` bytes:
+    component after component (flat over heads), each code's bits least significant first, from bit 0 of
+    byte 0; zero padding at the end.
     """
 
     def __init__(self, bits: torch.Tensor, std: torch.Tensor):
@@ -76,11 +79,13 @@ class CoefficientQuantizer(nn.Module):
         self.register_buffer("bit_component", comp, persistent=False)
         self.register_buffer("bit_shift", shift, persistent=False)
         self.register_buffer("byte_weights", 2 ** torch.arange(8), persistent=False)
-        # each component's bits are contiguous in the bit string: a prefix sum of weighted bits decodes them all
-        ends = torch.cumsum(b, 0)
-        self.register_buffer("bit_value", 2 ** shift, persistent=False)
-        self.register_buffer("code_end", ends, persistent=False)
-        self.register_buffer("code_start", ends - b, persistent=False)
+        # a code is linear in its bits: bit k of component c is worth 2^k of idx[c] (exact in bfloat16: idx < 256)
+        weight = torch.zeros(self.bytes_per_token * 8, heads * rank)
+        weight[torch.arange(self.total_bits), comp] = 2.0 ** shift
+        self.register_buffer("bit_weight", weight, persistent=False)
+        self.register_buffer("offset", ((0.5 - 2.0 ** b.double() / 2) * step).float(), persistent=False)
+        self.register_buffer("byte_bits", ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float(),
+                             persistent=False)
 
     def encode(self, coeffs: torch.Tensor) -> torch.Tensor:
         """`[batch, heads, seq, max_rank]` -> packed codes uint8 `[batch, 1, seq, bytes_per_token]`."""
@@ -96,12 +101,13 @@ class CoefficientQuantizer(nn.Module):
         return (bitstring * self.byte_weights).sum(-1).to(torch.uint8).unsqueeze(1)
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """uint8 `[batch, 1, seq, bytes]` -> coefficients `[batch, heads, seq, max_rank]` in `dtype`."""
-        b, _, s, _ = codes.shape
-        shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
-        bitstring = (codes.squeeze(1).unsqueeze(-1) >> shifts) & 1  # uint8 [b, s, bytes, 8]
-        bitstring = bitstring.reshape(b, s, self.bytes_per_token * 8)[..., : self.total_bits]
-        prefix = nn.functional.pad((bitstring.to(torch.int32) * self.bit_value).cumsum(-1, dtype=torch.int32), (1, 0))
-        idx = prefix.index_select(-1, self.code_end) - prefix.index_select(-1, self.code_start)
-        values = (idx.float() + 0.5 - self.levels / 2) * self.step
+        """uint8 `[batch, 1, seq, bytes]` -> coefficients `[batch, heads, seq, max_rank]` in `dtype`.
+
+        A table lookup spreads each byte into its 8 bits and one matrix product sums them into each component's
+        idx, both exact in bfloat16 (which CPU matrix units run fastest); values are then `(idx + 0.5 - levels /
+        2) * step` in float32."""
+        b, _, s, n = codes.shape
+        work = torch.bfloat16 if dtype in (torch.float16, torch.bfloat16) else torch.float32
+        bits = nn.functional.embedding(codes.reshape(b * s, n).int(), self.byte_bits.to(work)).view(b * s, n * 8)
+        values = torch.addcmul(self.offset, (bits @ self.bit_weight.to(work)).float(), self.step)
         return values.view(b, s, *self.shape).transpose(1, 2).to(dtype)
