@@ -25,6 +25,14 @@ def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) ->
     return impl.latent_scores(q_latent, latents, groups)
 
 
+def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: torch.Tensor, groups: int,
+                          chunk: int) -> torch.Tensor:
+    """`[batch, heads, chunks, rank]`, `[batch, heads, chunks]` x `[batch, kv_heads, seq, rank]` -> `[batch, heads,
+    seq]`, one query per chunk of tokens; see `reference`."""
+    impl = _triton_for(latents) or reference
+    return impl.chunked_latent_scores(q_latent, bias, latents, groups, chunk)
+
+
 def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> torch.Tensor:
     """`[batch, heads, n, rank]` -> rotated keys `[batch, heads, n, head_dim]`; see `reference`."""
@@ -32,4 +40,4 @@ def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tens
     return impl.reconstruct_rope(coeffs, basis, mean, cos, sin)
 
 
-__all__ = ["latent_scores", "reconstruct_rope", "reference"]
+__all__ = ["chunked_latent_scores", "latent_scores", "reconstruct_rope", "reference"]

@@ -20,6 +20,22 @@ def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) ->
     return torch.einsum("bhr,bhtr->bht", q_latent, latents.repeat_interleave(groups, dim=1))
 
 
+def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: torch.Tensor, groups: int,
+                          chunk: int) -> torch.Tensor:
+    """Scores in the latent space with one query per chunk of `chunk` consecutive tokens.
+
+    q_latent: `[batch, heads, chunks, rank]`; bias: `[batch, heads, chunks]`; latents: `[batch, kv_heads, seq,
+    rank]` with chunks = ceil(seq / chunk), heads = kv_heads * groups. Returns `[batch, heads, seq]`:
+    q_latent[b, h, t // chunk] . latents[b, h // groups, t] + bias[b, h, t // chunk].
+    """
+    batch, heads, chunks, rank = q_latent.shape
+    kv_heads, seq = latents.shape[1], latents.shape[2]
+    padded = torch.nn.functional.pad(latents, (0, 0, 0, chunks * chunk - seq)).view(batch, kv_heads, chunks, chunk, rank)
+    queries = q_latent.view(batch, kv_heads, groups, chunks, rank).transpose(2, 3)  # [b, kv, chunks, groups, r]
+    scores = queries @ padded.transpose(-1, -2) + bias.view(batch, kv_heads, groups, chunks, 1).transpose(2, 3)
+    return scores.permute(0, 1, 3, 2, 4).reshape(batch, heads, chunks * chunk)[..., :seq]
+
+
 def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> torch.Tensor:
     """Rebuild keys from latent coefficients and rotate them, fused in the Triton kernel.
@@ -28,5 +44,11 @@ def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tens
     cos, sin: `[batch, heads, n, head_dim]` (the rotation of each token, gathered by position).
     Returns `[batch, heads, n, head_dim]`: RoPE(mean + basis @ coeffs).
     """
-    keys = coeffs @ basis.transpose(1, 2) + mean.unsqueeze(1)
-    return keys * cos + rotate_half(keys) * sin
+    keys = coeffs @ basis.transpose(1, 2)
+    keys += mean.unsqueeze(1)
+    # RoPE(x) = x * cos + rotate_half(x) * sin, half by half (no rotated copy of the keys)
+    half = keys.shape[-1] // 2
+    x1, x2 = keys[..., :half], keys[..., half:]
+    first = (x1 * cos[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
+    second = (x2 * cos[..., half:]).addcmul_(x1, sin[..., half:])
+    return torch.cat([first, second], dim=-1)

@@ -11,33 +11,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _latent_scores_kernel(q_ptr, lat_ptr, out_ptr, seq, rank, groups, heads,
-                          sq_b, sq_h, sl_b, sl_h, sl_t, so_b, so_h,
-                          BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+def _chunked_latent_scores_kernel(q_ptr, bias_ptr, lat_ptr, out_ptr, seq, rank, groups, heads, chunk,
+                                  sq_b, sq_h, sq_c, sb_b, sb_h, sl_b, sl_h, sl_t, so_b, so_h,
+                                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     kv = h // groups
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.arange(0, BLOCK_R)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + r, mask=r < rank, other=0.0)
+    inside = t < seq
+    c = t // chunk  # each token's query: the one of its chunk
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + c[:, None] * sq_c + r[None, :],
+                mask=inside[:, None] & (r[None, :] < rank), other=0.0)
     lat = tl.load(lat_ptr + b * sl_b + kv * sl_h + t[:, None] * sl_t + r[None, :],
-                  mask=(t[:, None] < seq) & (r[None, :] < rank), other=0.0)
-    scores = tl.sum(lat.to(tl.float32) * q.to(tl.float32)[None, :], axis=1)
-    tl.store(out_ptr + b * so_b + h * so_h + t, scores, mask=t < seq)
+                  mask=inside[:, None] & (r[None, :] < rank), other=0.0)
+    bias = tl.load(bias_ptr + b * sb_b + h * sb_h + c, mask=inside, other=0.0)
+    scores = tl.sum(lat.to(tl.float32) * q.to(tl.float32), axis=1) + bias.to(tl.float32)
+    tl.store(out_ptr + b * so_b + h * so_h + t, scores, mask=inside)
 
 
-def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) -> torch.Tensor:
-    batch, heads, rank = q_latent.shape
+def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: torch.Tensor, groups: int,
+                          chunk: int) -> torch.Tensor:
+    batch, heads, _, rank = q_latent.shape
     seq = latents.shape[2]
-    q_latent, latents = q_latent.contiguous(), latents.contiguous()
+    q_latent, bias, latents = q_latent.contiguous(), bias.contiguous(), latents.contiguous()
     out = torch.empty(batch, heads, seq, device=q_latent.device, dtype=torch.float32)
     block_t = 64
     grid = (batch * heads, triton.cdiv(seq, block_t))
-    _latent_scores_kernel[grid](
-        q_latent, latents, out, seq, rank, groups, heads,
-        q_latent.stride(0), q_latent.stride(1), latents.stride(0), latents.stride(1), latents.stride(2),
-        out.stride(0), out.stride(1), BLOCK_T=block_t, BLOCK_R=triton.next_power_of_2(rank))
+    _chunked_latent_scores_kernel[grid](
+        q_latent, bias, latents, out, seq, rank, groups, heads, chunk,
+        q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), bias.stride(0), bias.stride(1),
+        latents.stride(0), latents.stride(1), latents.stride(2), out.stride(0), out.stride(1),
+        BLOCK_T=block_t, BLOCK_R=triton.next_power_of_2(rank))
     return out.to(q_latent.dtype)
+
+
+def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) -> torch.Tensor:
+    """One chunk holding every token: the chunked kernel with a single query per head and no bias."""
+    seq = latents.shape[2]
+    return chunked_latent_scores(q_latent.unsqueeze(2), q_latent.new_zeros(q_latent.shape[:2] + (1,)), latents,
+                                 groups, max(seq, 1))
 
 
 @triton.jit

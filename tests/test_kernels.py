@@ -20,6 +20,13 @@ for batch, heads, groups, seq, rank in [(1, 2, 1, 5, 3), (2, 2, 3, 70, 16), (1, 
     out = triton_kernels.latent_scores(q, lat, groups)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
+for batch, heads, groups, seq, rank, chunk in [(1, 2, 1, 5, 3, 16), (2, 2, 3, 70, 16, 16), (1, 4, 2, 130, 20, 32)]:
+    chunks = -(-seq // chunk)
+    q, bias = torch.randn(batch, heads * groups, chunks, rank), torch.randn(batch, heads * groups, chunks)
+    lat = torch.randn(batch, heads, seq, rank)
+    ref = reference.chunked_latent_scores(q, bias, lat, groups, chunk)
+    out = triton_kernels.chunked_latent_scores(q, bias, lat, groups, chunk)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
 for batch, heads, n, rank, dim in [(1, 1, 3, 2, 32), (2, 2, 40, 16, 64), (1, 3, 33, 24, 32)]:
     coeffs = torch.randn(batch, heads, n, rank)
     basis = torch.linalg.qr(torch.randn(heads, dim, dim))[0][:, :, :rank]
