@@ -8,7 +8,8 @@ adapter, and these changes:
    the plan's codec) and records their true positions;
 3. if the plan has a selector and this is a decode step, each KV head keeps its best-scoring latent tokens;
 4. the model's own attention function runs on what the mode prepares: keys whose dot products with the
-   queries are the true scores, and values augmented as `[exact v | latent c | 1]`;
+   queries are the true scores, and values augmented as `[exact v | latent c | 1]`, in the mode's
+   `compute_dtype` (float32 on CPU for half-precision models);
 5. outputs are decoded once per query: `sum_j p_j v_j + basis @ (sum_j p_j c_j) + (sum_j p_j) mean`.
 """
 
@@ -24,7 +25,7 @@ from .cache import LatentCache, LatentLayer
 from .context import LayerPatch
 from .errors import PatchKVError
 from .latent import augmented
-from .modes import Visible
+from .modes import Visible, compute_dtype
 
 
 class LatentForward:
@@ -96,7 +97,7 @@ def _attend(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, q: torch.Tensor
     selector = patch.plan.selector
     if selector is not None and not layer.is_sliding and selector.applies(q.shape[2], nm):
         rank = min(selector.rank or lp.keys.basis.max_rank, lp.keys.basis.max_rank)
-        scores = patch.mode.approximate_scores(lp, q, cos, sin, key_coeffs[..., :rank], middle_pos).float()
+        scores = patch.mode.approximate_scores(lp, q, cos, sin, key_coeffs[..., :rank], middle_pos)
         if mask is not None:
             scores = scores + _additive(mask)[:, :, -1, ns:ns + nm]
         chosen = selector.select(scores, lp.keys.basis.query_groups)  # [batch, kv_heads, k]
@@ -107,12 +108,16 @@ def _attend(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, q: torch.Tensor
             mask = _select_columns(mask, chosen, ns, nm, nr, lp.keys.basis.query_groups)
     seen = Visible(regions["sink_keys"], regions["sink_values"], regions["recent_keys"], regions["recent_values"],
                    key_coeffs, value_coeffs, sink_pos, middle_pos, recent_pos)
+    work = compute_dtype(q)
     queries, keys = patch.mode.score_operands(lp, q, cos, sin, seen)
-    values, has_exact, has_latent = augmented(seen.sink_values, value_coeffs.to(q.dtype), seen.recent_values)
+    values, has_exact, has_latent = augmented(seen.sink_values.to(work), value_coeffs.to(work),
+                                              seen.recent_values.to(work))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(work)
     out, weights = patch.adapter.attention_function(attn)(
         attn, queries, keys, values, mask, dropout=attn.attention_dropout if attn.training else 0.0,
         scaling=patch.adapter.scaling(attn), **{**kwargs, **patch.adapter.attention_kwargs(attn)})
-    return _decode_values(lp, out, has_exact, has_latent, q.shape[-1]), weights
+    return _decode_values(lp, out.to(q.dtype), has_exact, has_latent, q.shape[-1]), weights
 
 
 def _select_columns(mask: torch.Tensor, chosen: torch.Tensor, ns: int, nm: int, nr: int, groups: int) -> torch.Tensor:

@@ -8,6 +8,15 @@
 Values are the same in both modes (see `patchkv.attention`). Exact tokens (sinks, window) and latent tokens
 are scored together by augmenting features, `[exact dims | latent dims | 1]`, so any attention function
 (eager, sdpa) sees one key tensor whose dot products are the true scores, mean term included.
+
+Attention operands are built in `compute_dtype`: float32 on CPU for half-precision models (CPU attention
+kernels run several times faster in float32 than in bfloat16, and the patched operands are small), the
+model's dtype elsewhere.
+
+Top-k selection scores candidates approximately (`approximate_scores`); attention over the chosen tokens is
+exact. Pre-RoPE, each chunk of `SCORE_CHUNK` consecutive middle tokens is scored in the latent space
+against the query turned back by the rotation of the chunk's centre position, `U^T R(p_ref)^T q`, so no
+key is reconstructed; the error is the rotation between a token and its chunk's centre.
 """
 
 from __future__ import annotations
@@ -19,6 +28,14 @@ import torch
 from .context import LayerPatch
 from .kernels import ops as kernels
 from .latent import augmented
+
+#: consecutive middle tokens sharing one reference rotation in pre-RoPE top-k scoring
+SCORE_CHUNK = 16
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention operands are built in: float32 for half-precision tensors on CPU, else x's dtype."""
+    return torch.float32 if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 @dataclass
@@ -41,9 +58,23 @@ class Visible:
     recent_positions: torch.Tensor
 
 
+def rope_rows(lp: LayerPatch, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[..., rotary_dim]` at `positions` `[batch, n]` or `[batch, heads, n]`. Positions on CPU that run
+    `p, p + 1, ...` alike in every row (the middle of an unpadded batch) are a slice of the table, not a gather."""
+    n = positions.shape[-1]
+    if positions.device.type == "cpu" and positions.dim() == 2 and n > 1:
+        first = positions[0, 0]
+        if bool((positions == first + torch.arange(n, dtype=positions.dtype)).all()):
+            lp.rope.at(positions[:1, -1:], like=like)  # grows the table to the last position
+            start = int(first)
+            return lp.rope.cos[start: start + n].expand(positions.shape[0], -1, -1), \
+                lp.rope.sin[start: start + n].expand(positions.shape[0], -1, -1)
+    return lp.rope.at(positions, like=like)
+
+
 def rotate_at(lp: LayerPatch, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """RoPE on x `[batch, heads, n, head_dim]` at positions `[batch, n]` or per head `[batch, heads, n]`."""
-    cos, sin = lp.rope.at(positions, like=x)
+    cos, sin = rope_rows(lp, positions, x)
     rotate = lp.patch.adapter.rotate
     if positions.dim() == 2:
         return rotate(x, cos, sin)
@@ -65,14 +96,14 @@ class Mode:
 
     def score_operands(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        seen: Visible) -> tuple[torch.Tensor, torch.Tensor]:
-        """(queries `[batch, heads, s, D]`, keys `[batch, kv_heads, n, D]`) whose dot products are the true
-        attention scores of q (in cache space) against every visible token."""
+        """(queries `[batch, heads, s, D]`, keys `[batch, kv_heads, n, D]`), in `compute_dtype(q)`, whose dot
+        products are the true attention scores of q (in cache space) against every visible token."""
         raise NotImplementedError
 
     def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            coeffs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Scores of a single query `[batch, heads, 1, d]` against middle tokens from their first r components
-        `coeffs` `[batch, kv_heads, m, r]` (up to a per-query constant) -> `[batch, heads, m]`."""
+        `coeffs` `[batch, kv_heads, m, r]` (up to a per-query constant) -> float32 `[batch, heads, m]`."""
         raise NotImplementedError
 
     def cached_keys_as_rotated(self, lp: LayerPatch, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -87,25 +118,36 @@ class PreRoPE(Mode):
         return q, k
 
     def score_operands(self, lp, q, cos, sin, seen):
-        middle = lp.keys.basis.reconstruct(seen.key_coeffs).to(q.dtype)
-        keys = torch.cat([rotate_at(lp, seen.sink_keys, seen.sink_positions),
-                          rotate_at(lp, middle, seen.middle_positions),
-                          rotate_at(lp, seen.recent_keys, seen.recent_positions)], dim=2)
-        return lp.patch.adapter.rotate(q, cos, sin), keys
+        work = compute_dtype(q)
+        keys = torch.cat([rotate_at(lp, seen.sink_keys.to(work), seen.sink_positions),
+                          self._rotated_middle(lp, seen.key_coeffs.to(work), seen.middle_positions),
+                          rotate_at(lp, seen.recent_keys.to(work), seen.recent_positions)], dim=2)
+        return lp.patch.adapter.rotate(q, cos, sin).to(work), keys
+
+    @staticmethod
+    def _rotated_middle(lp: LayerPatch, coeffs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Coefficients `[batch, kv_heads, m, max_rank]` at `positions` (`[batch, m]` or `[batch, kv_heads, m]`)
+        -> rotated keys `[batch, kv_heads, m, head_dim]` in coeffs' dtype (fused when the whole head rotates)."""
+        basis = lp.keys.basis
+        cos, sin = rope_rows(lp, positions, coeffs)
+        if lp.patch.adapter.rope_convention == "rotate_half" and cos.shape[-1] == basis.head_dim:
+            if positions.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            return kernels.reconstruct_rope(coeffs, basis.basis.to(coeffs.dtype), basis.mean.to(coeffs.dtype), cos, sin)
+        return rotate_at(lp, basis.reconstruct(coeffs), positions)
 
     def approximate_scores(self, lp, q, cos, sin, coeffs, positions):
-        basis = lp.keys.basis
-        r = coeffs.shape[-1]
-        q_rot = lp.patch.adapter.rotate(q, cos, sin)[:, :, 0]
-        b, m = coeffs.shape[0], coeffs.shape[2]
-        if lp.patch.adapter.rope_convention == "rotate_half" and cos.shape[-1] == basis.head_dim:
-            c, s = lp.rope.at(positions, like=q)
-            approx = kernels.reconstruct_rope(coeffs.contiguous(), basis.basis[..., :r].contiguous(), basis.mean,
-                                              c.unsqueeze(1), s.unsqueeze(1))
-        else:
-            approx = rotate_at(lp, coeffs @ basis.basis[..., :r].transpose(1, 2) + basis.mean.unsqueeze(1), positions)
-        grouped = q_rot.view(b, basis.heads, basis.query_groups, -1)
-        return torch.einsum("bhgd,bhmd->bhgm", grouped, approx.to(q.dtype)).reshape(b, -1, m)
+        basis, rotate = lp.keys.basis, lp.patch.adapter.rotate
+        m, r = coeffs.shape[2], coeffs.shape[3]
+        chunks = -(-m // SCORE_CHUNK)
+        centres = (torch.arange(chunks, device=positions.device) * SCORE_CHUNK + SCORE_CHUNK // 2).clamp_max(m - 1)
+        q_rot = rotate(q, cos, sin).to(compute_dtype(q))  # [batch, heads, 1, d]
+        ref_cos, ref_sin = lp.rope.at(positions[:, centres], like=q_rot)  # [batch, chunks, rotary_dim]
+        # q . R(p) k = (R(p)^T q) . k, and R(p)^T is the rotation with sin negated (any scaling of the table kept)
+        q_ref = rotate(q_rot.expand(-1, -1, chunks, -1), ref_cos, -ref_sin).float()  # [batch, heads, chunks, d]
+        q_latent = q_ref @ basis.query_basis[..., :r].float()
+        bias = (q_ref * basis.query_mean.float().unsqueeze(1)).sum(-1)
+        return kernels.chunked_latent_scores(q_latent, bias, coeffs.float(), basis.query_groups, SCORE_CHUNK)
 
     def cached_keys_as_rotated(self, lp, keys, positions):
         return rotate_at(lp, keys, positions)
@@ -119,14 +161,16 @@ class PostRoPE(Mode):
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
     def score_operands(self, lp, q, cos, sin, seen):
-        keys, has_exact, has_latent = augmented(seen.sink_keys, seen.key_coeffs.to(q.dtype), seen.recent_keys)
+        work = compute_dtype(q)
+        keys, has_exact, has_latent = augmented(seen.sink_keys.to(work), seen.key_coeffs.to(work),
+                                                seen.recent_keys.to(work))
         basis = lp.keys.basis
         parts = ([q] if has_exact else []) + ([basis.project_queries(q), basis.mean_scores(q)] if has_latent else [])
-        return torch.cat(parts, dim=-1), keys
+        return torch.cat(parts, dim=-1).to(work), keys
 
     def approximate_scores(self, lp, q, cos, sin, coeffs, positions):
         q_latent = lp.keys.basis.project_queries(q)[:, :, 0, : coeffs.shape[-1]]
-        return kernels.latent_scores(q_latent.contiguous(), coeffs.contiguous(), lp.keys.basis.query_groups)
+        return kernels.latent_scores(q_latent.float(), coeffs.float(), lp.keys.basis.query_groups)
 
     def cached_keys_as_rotated(self, lp, keys, positions):
         return keys

@@ -1,10 +1,12 @@
 """`TopK`: at each decode step, attend to the `k` latent tokens per KV head that score best.
 
-Candidates are scored cheaply from their first `rank` key components (post-RoPE: the projected query
-against latents, Triton kernel `latent_scores`; pre-RoPE: a rank-`rank` reconstruction rotated to each
-token's position, kernel `reconstruct_rope`; see `patchkv.modes`). A KV head keeps the tokens that score
-best for any of its query heads; attention then runs exactly over sinks, those tokens and the window.
-Prefill (more than one query) is dense.
+Candidates are scored in the latent space from their first `rank` key components, without reconstructing
+keys (post-RoPE: the projected query against latents, exact at full rank, kernel `latent_scores`; pre-RoPE:
+per chunk of `patchkv.modes.SCORE_CHUNK` tokens, the query turned back by the rotation of the chunk's
+centre position and projected onto the basis, kernel `chunked_latent_scores`, approximate by the rotation
+between a token and its chunk's centre; see `patchkv.modes`). A KV head keeps the tokens that score best
+for any of its query heads; only those are reconstructed (and rotated), and attention runs exactly over
+sinks, those tokens and the window. Prefill (more than one query) is dense.
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""The fast decode paths against their PyTorch references and the full-precision path.
+
+- DP codes: the table-and-matrix decode against the dequantization formula on a bit-by-bit packed layout;
+- pre-RoPE top-k: latent scoring at each chunk's reference rotation against scores of keys rotated there,
+  and attention over the chosen tokens against dense attention over exactly those tokens;
+- float32 operands on CPU for half-precision models against the unpatched model.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import calibration_ids, make_model
+
+import patchkv
+from patchkv import modes
+from patchkv.kernels import reference
+from patchkv.quantize import GAUSSIAN_STEP, CoefficientQuantizer, allocate_bits
+
+
+# ----- DP codes --------------------------------------------------------------------------------------
+def pack_bit_by_bit(idx: list[int], bits: list[int]) -> list[int]:
+    """One token's codes (flat components) -> bytes: each component's bits in turn, least significant first,
+    from bit 0 of byte 0."""
+    stream = [(code >> k) & 1 for code, b in zip(idx, bits) for k in range(b)]
+    stream += [0] * (-len(stream) % 8)
+    return [sum(bit << k for k, bit in enumerate(stream[i:i + 8])) for i in range(0, len(stream), 8)]
+
+
+ALLOCATIONS = {
+    "every width": torch.tensor([[8, 7, 6, 5, 4, 3, 2, 1, 0]]),
+    "random": torch.randint(0, 9, (3, 13), generator=torch.Generator().manual_seed(0)),
+    "a head with none": torch.tensor([[3, 3, 2, 1], [0, 0, 0, 0]]),
+    "a layer with none": torch.zeros(2, 3, dtype=torch.long),
+    "dp": allocate_bits(torch.linspace(4, 0.01, 16).repeat(2, 1), 20),
+}
+
+
+@pytest.mark.parametrize("name", list(ALLOCATIONS))
+def test_codes_decode_exactly_at_a_fixed_rate(name):
+    bits = ALLOCATIONS[name]
+    std = torch.rand(bits.shape, generator=torch.Generator().manual_seed(1)) + 0.5
+    q = CoefficientQuantizer(bits, std)
+    x = torch.randn(2, bits.shape[0], 37, bits.shape[1], generator=torch.Generator().manual_seed(2)) * 2
+    codes = q.encode(x)
+    assert q.total_bits == int(bits.sum()) and q.bytes_per_token == math.ceil(q.total_bits / 8)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 1, 37, q.bytes_per_token)
+    flat_bits = bits.flatten().tolist()
+    step = torch.tensor([GAUSSIAN_STEP[b] if b else 0.0 for b in flat_bits]) * std.flatten()
+    levels = 2.0 ** bits.flatten()
+    idx = torch.floor(x.transpose(1, 2).reshape(2, 37, -1) / torch.where(step > 0, step, 1) + levels / 2)
+    idx = idx.clamp(torch.zeros_like(levels), levels - 1).long()
+    for b, t in [(0, 0), (1, 5), (1, 36)]:
+        assert codes[b, 0, t].tolist() == pack_bit_by_bit(idx[b, t].tolist(), flat_bits)
+    expected = ((idx.float() + 0.5 - levels / 2) * step).view(2, 37, *bits.shape).transpose(1, 2)
+    decoded = q.decode(codes, torch.float32)
+    assert torch.allclose(decoded, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(q.encode(decoded), codes)
+    half = q.decode(codes, torch.bfloat16)  # bits are exact in bfloat16, products accumulate in float32
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), expected, rtol=8e-3, atol=1e-3)
+
+
+# ----- pre-RoPE latent top-k ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pre_rope():
+    model = make_model("llama")
+    return model, patchkv.calibrate(model, calibration_ids(), mode="pre_rope", rank=16, progress=False)
+
+
+def test_chunked_latent_scores_reference_against_a_loop():
+    g = torch.Generator().manual_seed(3)
+    for seq, chunk in [(37, 16), (32, 16), (5, 16)]:
+        chunks = -(-seq // chunk)
+        q, bias, lat = torch.randn(2, 6, chunks, 4, generator=g), torch.randn(2, 6, chunks, generator=g), torch.randn(
+            2, 3, seq, 4, generator=g)
+        out = reference.chunked_latent_scores(q, bias, lat, 2, chunk)
+        loop = torch.stack([(q[:, :, t // chunk] * lat[:, torch.arange(6) // 2, t]).sum(-1) + bias[:, :, t // chunk]
+                            for t in range(seq)], dim=-1)
+        assert torch.allclose(out, loop, atol=1e-5)
+
+
+def test_pre_rope_latent_scores_equal_keys_rotated_to_their_chunk_reference(pre_rope):
+    """The approximation is exactly: every token's key rotated by its chunk centre's position."""
+    model, art = pre_rope
+    seq = 45
+    ids = calibration_ids(1, seq, seed=4)
+    with patchkv.patched(model, art) as m:
+        lp = m.model.layers[1].self_attn.patchkv.on(torch.device("cpu"))
+        cache = m(ids, use_cache=True).cache
+        layer = cache.layers[1]
+        coeffs = lp.keys.decode(layer.tensors["latent_keys"])
+        positions = layer._positions(seq)
+        q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
+        cos, sin = lp.rope.at(torch.tensor([[seq]]), like=q)
+        scores = modes.PreRoPE().approximate_scores(lp, q, cos, sin, coeffs[..., :8], positions)
+        centres = (torch.arange(seq) // modes.SCORE_CHUNK * modes.SCORE_CHUNK + modes.SCORE_CHUNK // 2).clamp_max(seq - 1)
+        keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :8], (0, 8)))
+        rotated = modes.rotate_at(lp, keys, positions[:, centres])
+        q_rot = lp.patch.adapter.rotate(q, cos, sin)
+        expected = (q_rot.view(1, 2, 2, 16) @ rotated.transpose(-1, -2)).view(1, 4, seq)
+    assert torch.allclose(scores, expected, atol=1e-4)
+
+
+def test_pre_rope_top_k_attends_exactly_over_the_chosen_tokens(pre_rope, monkeypatch):
+    """Top-k logits equal dense attention with every middle token the selection left out masked away."""
+    model, art = pre_rope
+    ids = calibration_ids(2, 40, seed=6)
+    sinks, window, k = 2, 3, 6
+    picks = []  # one [batch, kv_heads, k] per layer, in layer order (prefill never selects)
+    select = patchkv.TopK.select
+    monkeypatch.setattr(patchkv.TopK, "select", lambda self, s, g: picks.append(select(self, s, g)) or picks[-1])
+    with patchkv.patched(model, art, sink_tokens=sinks, window=window, top_k=k, top_k_rank=8):
+        cache = model(ids[:, :-1], use_cache=True).cache
+        sparse = model(ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+    assert len(picks) == len(model.model.layers) and picks[0].shape == (2, 2, k)
+    middle = ids.shape[1] - sinks - window
+    forward = patchkv.attention.latent_attention_forward
+
+    def masked(attn, hidden, pe, mask, cache_, **kw):
+        if hidden.shape[1] > 1:
+            return forward(attn, hidden, pe, mask, cache_, **kw)
+        keep = torch.ones(2, 2, 1, sinks + middle + window, dtype=torch.bool)
+        keep[..., sinks:sinks + middle] = False
+        keep[..., sinks:sinks + middle].scatter_(3, picks[attn.layer_idx].unsqueeze(2), True)
+        return forward(attn, hidden, pe, keep.repeat_interleave(2, dim=1), cache_, **kw)
+
+    monkeypatch.setattr(patchkv.attention, "latent_attention_forward", masked)
+    with patchkv.patched(model, art, sink_tokens=sinks, window=window):
+        cache = model(ids[:, :-1], use_cache=True).cache
+        dense = model(ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+    monkeypatch.undo()
+    with patchkv.patched(model, art, sink_tokens=sinks, window=window):
+        cache = model(ids[:, :-1], use_cache=True).cache
+        unmasked = model(ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+    assert torch.allclose(sparse, dense, atol=1e-5) and not torch.allclose(sparse, unmasked, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("options", [{}, dict(sink_tokens=2, window=3, top_k=8, top_k_rank=4), dict(bits=40)])
+def test_half_precision_on_cpu_attends_in_float32(mode, options):
+    """A bfloat16 model's patched attention operands are float32 on CPU; full rank stays within bfloat16 rounding
+    of the unpatched model, and every method runs."""
+    assert modes.compute_dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.float32
+    model = make_model("llama", dtype=torch.bfloat16)
+    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=16, progress=False)
+    ids = calibration_ids(2, 30, seed=7)
+    head = model(ids[:, :-1], use_cache=True)
+    reference = model(ids[:, -1:], cache=head.cache, use_cache=True).logits.float()
+    with patchkv.patched(model, art, **options):
+        cache = model(ids[:, :-1], use_cache=True).cache
+        out = model(ids[:, -1:], cache=cache, use_cache=True).logits
+    assert out.dtype == torch.bfloat16
+    if not options:
+        assert (out.float() - reference).abs().max() < 0.05 * reference.abs().max()
+    assert torch.isfinite(out).all()
