@@ -119,9 +119,11 @@ class PreRoPE(Mode):
 
     def score_operands(self, lp, q, cos, sin, seen):
         work = compute_dtype(q)
-        keys = torch.cat([rotate_at(lp, seen.sink_keys.to(work), seen.sink_positions),
-                          self._rotated_middle(lp, seen.key_coeffs.to(work), seen.middle_positions),
-                          rotate_at(lp, seen.recent_keys.to(work), seen.recent_positions)], dim=2)
+        regions = [(rotate_at, seen.sink_keys, seen.sink_positions),
+                   (self._rotated_middle, seen.key_coeffs, seen.middle_positions),
+                   (rotate_at, seen.recent_keys, seen.recent_positions)]
+        rotated = [rotate(lp, x.to(work), at) for rotate, x, at in regions if x.shape[2]]  # the token itself is one
+        keys = rotated[0] if len(rotated) == 1 else torch.cat(rotated, dim=2)  # no copy of a lone region
         return lp.patch.adapter.rotate(q, cos, sin).to(work), keys
 
     @staticmethod

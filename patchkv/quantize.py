@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 MAX_BITS = 8
+ROW_BUCKET = 256
 # Optimal uniform quantizer for a unit Gaussian with 2^b levels (Max, 1960): step size and mean squared error.
 GAUSSIAN_STEP = (math.inf, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
 GAUSSIAN_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.003490, 0.001035, 0.0003035, 0.0000876)
@@ -108,6 +109,10 @@ class CoefficientQuantizer(nn.Module):
         2) * step` in float32."""
         b, _, s, n = codes.shape
         work = torch.bfloat16 if dtype in (torch.float16, torch.bfloat16) else torch.float32
-        bits = nn.functional.embedding(codes.reshape(b * s, n).int(), self.byte_bits.to(work)).view(b * s, n * 8)
-        values = torch.addcmul(self.offset, (bits @ self.bit_weight.to(work)).float(), self.step)
+        # CPU bfloat16 matrix kernels are built per shape: rows padded to a multiple of ROW_BUCKET keep the
+        # shapes few while the cache grows a token per step
+        rows = b * s
+        index = nn.functional.pad(codes.reshape(rows, n).int(), (0, 0, 0, -rows % ROW_BUCKET))
+        bits = nn.functional.embedding(index, self.byte_bits.to(work)).view(index.shape[0], n * 8)
+        values = torch.addcmul(self.offset, (bits @ self.bit_weight.to(work))[:rows].float(), self.step)
         return values.view(b, s, *self.shape).transpose(1, 2).to(dtype)
