@@ -90,3 +90,35 @@ def weighted_pca(cov: torch.Tensor, weight: torch.Tensor | None = None, ridge: f
     enc = chol @ u                                                    # y = z @ u = x @ L @ u
     dec = torch.linalg.solve(chol.T, u).T                             # x = y @ u^T @ L^-1
     return (enc, lam, dec) if return_decoder else (enc, lam)
+
+
+def allocate_to_bytes(costs: list[torch.Tensor], byte_budget: int, max_bits: int = MAX_BITS) -> list[torch.Tensor]:
+    """Bits per component for groups that are each packed to whole bytes (one group = one layer's key or value
+    codes), with at most `byte_budget` bytes in all: sum_g ceil(sum(bits_g) / 8) <= byte_budget.
+
+    costs: one `[n_g]` tensor of cost-variances per group (one shared unit). The pool is the largest number of
+    bits whose global allocation fits once each group is rounded up to whole bytes (found by bisection: the
+    greedy allocation only grows with the pool); then each group's padding bits (up to 7) go to its own best
+    next bits, so no byte holds bits it could use. Returns int64 `[n_g]` per group.
+    """
+    if byte_budget < 0:
+        raise ValueError(f"byte_budget must be >= 0, got {byte_budget}")
+
+    def used_bytes(budget: int) -> int:
+        return sum(-(-int(b.sum()) // 8) for b in allocate_bits_grouped(costs, budget, max_bits))
+
+    low, high = 0, byte_budget * 8  # used_bytes(0) == 0 fits; find the largest pool that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if used_bytes(mid) <= byte_budget else (low, mid - 1)
+    bits = allocate_bits_grouped(costs, low, max_bits)
+    for cost, b in zip(costs, bits):
+        gains = marginal_gains(cost.flatten(), max_bits)
+        rows = torch.arange(len(b))
+        for _ in range(-int(b.sum()) % 8):
+            room = b < max_bits
+            if not room.any():
+                break
+            nxt = torch.where(room, gains[rows, b.clamp(max=max_bits - 1)], -1.0)
+            b[int(nxt.argmax())] += 1
+    return bits

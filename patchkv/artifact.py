@@ -1,14 +1,26 @@
 """The patchkv artifact: calibrated PCA bases for one model, as safetensors plus JSON metadata.
 
-Format, version 1
-=================
+Format, versions 1 and 2
+========================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
-`H` KV heads and head dimension `d`, it holds exactly ten tensors, for `kind` in `keys`, `values`:
+`H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
+`values`:
 
     {kind}.mean          float32 [L, H, d]     mean of the calibration vectors
     {kind}.eigenvalues   float32 [L, H, d]     variances along each component, descending
     {kind}.eigenvectors  float32 [L, H, d, d]  column j of [l, h] is component j
     {kind}.ranks         int32   [L, H]        components kept per head, each in [1, d]
+
+A version 2 file holds those eight and exactly two more:
+
+    {kind}.weights       float32 [L, H, d]     effect weight of each component, >= 0: the expected loss
+                                               increase (nats per token) per unit of squared error along
+                                               it, u_j^T F u_j with F the Fisher matrix E[g g^T] of the
+                                               loss gradient w.r.t. the cached vector (`patchkv.fisher`)
+
+Effect weights put the components of every layer, head, key and value in one unit, so a global bit pool
+can be allocated over them (`Quantized(pool="global")`). An artifact is written at the lowest version that
+holds it: 2 with effect weights, 1 without, so files without weights stay readable by older readers.
 
 Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
 `post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
@@ -16,7 +28,7 @@ without recalibrating; only `ranks` components per head are used at inference.
 
 The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
-    format_version  1
+    format_version  1 or 2 (see above)
     mode            "pre_rope" | "post_rope"
     model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
@@ -38,18 +50,20 @@ head) unless all of the following hold, in this order:
    reproducible, so the hash of an artifact is stable.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1;
+3. `format_version` is the integer 1 or 2;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
 5. metadata types: `mode` one of the two strings; `model` an object whose `model_type`, `architecture`,
    `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
    `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16, bfloat16, float64;
    `calibration` an object;
-6. exactly the ten tensors, float32 and (ranks) int32, of the shapes above, agreeing with `model`;
+6. exactly the eight tensors (version 1) or ten (version 2), float32 and (ranks) int32, of the shapes
+   above, agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
    max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
    negative value or an increase no larger than 1e-6 x the head's largest eigenvalue is accepted as
-   round-off (negatives that small are clamped to 0 in memory; the file is not changed).
+   round-off (negatives that small are clamped to 0 in memory; the file is not changed); effect weights,
+   where present, >= 0 and given for keys and values both.
 
 In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
 file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
@@ -75,9 +89,13 @@ from .adapters import adapter_for, attention_modules
 from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
 from .hub import FILENAME
 from .pca import select_ranks
-from .quantize import allocate_bits
+from .allocation import allocate_to_bytes
+from .quantize import MAX_BITS, allocate_bits
 
-FORMAT_VERSION = 1
+#: the newest format this version reads and writes (files without effect weights are written as version 1)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+POOLS = ("head", "global")
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 _CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -87,6 +105,7 @@ _INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads"
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
 META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
 TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
+WEIGHTS = "weights"
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
 ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
@@ -96,20 +115,30 @@ _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 
 @dataclass
 class Components:
-    """PCA of keys or of values, all layers stacked. Shapes as in the format spec above."""
+    """PCA of keys or of values, all layers stacked, and optionally the components' effect weights. Shapes as
+    in the format spec above."""
 
     mean: torch.Tensor
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
     ranks: torch.Tensor
+    weights: torch.Tensor | None = None
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
-        return {
+        out = {
             f"{kind}.mean": self.mean.float().contiguous(),
             f"{kind}.eigenvalues": self.eigenvalues.float().contiguous(),
             f"{kind}.eigenvectors": self.eigenvectors.float().contiguous(),
             f"{kind}.ranks": self.ranks.to(torch.int32).contiguous(),
         }
+        if self.weights is not None:
+            out[f"{kind}.{WEIGHTS}"] = self.weights.float().contiguous()
+        return out
+
+    def costs(self) -> torch.Tensor:
+        """Cost-variances `[L, H, d]` float64: what dropping each component costs, in nats per token
+        (eigenvalue x effect weight). Needs effect weights."""
+        return self.eigenvalues.double().clamp_min(0) * self.weights.double()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -169,25 +198,59 @@ class Artifact:
     def element_size(self) -> int:
         return torch.empty(0, dtype=getattr(torch, self.model["dtype"])).element_size()
 
-    def bit_allocation(self, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and
-        token each, by dynamic programming on the eigenvalues (`patchkv.quantize.allocate_bits`)."""
-        return allocate_bits(self.keys.eigenvalues, bits), allocate_bits(self.values.eigenvalues, bits)
+    @property
+    def has_effect_weights(self) -> bool:
+        return self.keys.weights is not None
+
+    @property
+    def format_version(self) -> int:
+        """The version this artifact is written at: 2 with effect weights, 1 without."""
+        return 2 if self.has_effect_weights else 1
+
+    def bit_allocation(self, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+        """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and token
+        on average.
+
+        pool="head": exactly `bits` for every head's keys and every head's values, by dynamic programming on
+        that head's eigenvalues (`patchkv.quantize.allocate_bits`). pool="global": one pool of
+        `bits x layers x kv_heads x 2` bits shared by every layer, head, key and value, allocated on the
+        cost-variances (eigenvalue x effect weight) so the expected loss increase is minimal, with each
+        layer's key and value codes packed to whole bytes within the pool
+        (`patchkv.allocation.allocate_to_bytes`); needs an artifact with effect weights.
+        """
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
+        dim = self.head_dim
+        if not 1 <= bits <= dim * MAX_BITS:
+            raise ValueError(f"bits per head must be in [1, {dim * MAX_BITS}] for head_dim={dim}, got {bits}.")
+        if pool == "head":
+            return allocate_bits(self.keys.eigenvalues, bits), allocate_bits(self.values.eigenvalues, bits)
+        if not self.has_effect_weights:
+            raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none (format "
+                             "version 1). Recalibrate with effect weights: patchkv.calibrate(..., fisher_tokens=8192) "
+                             "or `patchkv calibrate --fisher-tokens 8192`; or use pool='head'.")
+        layers, heads = self.num_layers, self.num_kv_heads
+        costs = [getattr(self, kind).costs()[layer].flatten() for layer in range(layers) for kind in KINDS]
+        groups = allocate_to_bytes(costs, bits * layers * heads * 2 // 8)
+        keys = torch.stack([groups[2 * layer] for layer in range(layers)]).view(layers, heads, dim)
+        values = torch.stack([groups[2 * layer + 1] for layer in range(layers)]).view(layers, heads, dim)
+        return keys, values
 
     def full_kv_bytes_per_token(self) -> int:
         """Bytes per token of the uncompressed cache: 2 (K and V) x layers x KV heads x head_dim x element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
 
-    def kv_bytes_per_token(self, bits: int | None = None) -> int:
+    def kv_bytes_per_token(self, bits: int | None = None, pool: str = "head") -> int:
         """Bytes per token of the latent cache: the kept components of K and V, summed over layers and heads;
         with `bits`, the quantized codes (each layer's K and V codes rounded up to whole bytes)."""
         if bits is None:
             return int(self.keys.ranks.sum() + self.values.ranks.sum()) * self.element_size
-        return sum(int(-(-int(a[layer].sum()) // 8)) for a in self.bit_allocation(bits) for layer in range(len(a)))
+        allocation = self.bit_allocation(bits, pool)
+        return sum(int(-(-int(a[layer].sum()) // 8)) for a in allocation for layer in range(len(a)))
 
-    def compression_ratio(self, bits: int | None = None) -> float:
+    def compression_ratio(self, bits: int | None = None, pool: str = "head") -> float:
         """Uncompressed bytes per token divided by latent bytes per token."""
-        return self.full_kv_bytes_per_token() / self.kv_bytes_per_token(bits)
+        return self.full_kv_bytes_per_token() / self.kv_bytes_per_token(bits, pool)
 
     # ----- re-targeting ------------------------------------------------------------------------
     def with_ranks(self, rank: int | None = None, energy: float | None = None) -> Artifact:
@@ -236,7 +299,7 @@ class Artifact:
         return {**self.keys.tensors("keys"), **self.values.tensors("values")}
 
     def metadata(self) -> dict[str, Any]:
-        meta = {"format_version": FORMAT_VERSION, "mode": self.mode, "model": self.model,
+        meta = {"format_version": self.format_version, "mode": self.mode, "model": self.model,
                 "calibration": self.calibration}
         meta["checksum"] = _checksum(self.tensors(), meta)
         return meta
@@ -293,8 +356,9 @@ class Artifact:
             )
         try:
             _check_model_fields(meta["model"])
-            _check_tensor_set(tensors)
-            parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES)) for kind in KINDS}
+            _check_tensor_set(tensors, meta["format_version"])
+            parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES),
+                                      weights=tensors.get(f"{kind}.{WEIGHTS}")) for kind in KINDS}
             return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"], **parts)
         except InvalidArtifactError as e:
             raise InvalidArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
@@ -326,6 +390,9 @@ class Artifact:
         layers, heads, dim = mean.shape
         for kind in KINDS:
             _check_components(kind, getattr(self, kind), layers, heads, dim)
+        if (self.keys.weights is None) != (self.values.weights is None):
+            raise InvalidArtifactError("effect weights must be given for keys and values both, or for neither; "
+                                       f"found them for {'keys' if self.values.weights is None else 'values'} only.")
         found = {"num_hidden_layers": layers, "num_key_value_heads": heads, "head_dim": dim}
         diffs = [f"{k}={self.model[k]} (tensors have {v})" for k, v in found.items() if self.model[k] != v]
         if diffs:
@@ -372,11 +439,11 @@ def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
         raise InvalidArtifactError(f"{file}: the 'patchkv' metadata must be a JSON object, found a JSON "
                                    f"{_json_type(meta)}; the file is corrupted.")
     version = meta.get("format_version")
-    if "format_version" in meta and (version != FORMAT_VERSION or not isinstance(version, int)
+    if "format_version" in meta and (version not in READABLE_VERSIONS or not isinstance(version, int)
                                      or isinstance(version, bool)):
         raise ArtifactError(
-            f"{file} has artifact format version {version!r}; this patchkv reads version {FORMAT_VERSION}. "
-            "Install the patchkv version that wrote it, or recalibrate."
+            f"{file} has artifact format version {version!r}; this patchkv reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Install the patchkv version that wrote it, or recalibrate."
         )
     missing = [k for k in META_FIELDS if k not in meta]
     extra = sorted(k for k in meta if k not in META_FIELDS)
@@ -418,9 +485,10 @@ def _check_model_fields(model: dict[str, Any]) -> None:
         raise InvalidArtifactError(f"model.dtype must be one of {MODEL_DTYPES}, got {model['dtype']!r:.80}.")
 
 
-def _check_tensor_set(tensors: dict[str, torch.Tensor]) -> None:
-    """Step 6: exactly the ten tensors, float32 / int32 as stored in the file."""
-    names = {f"{kind}.{n}" for kind in KINDS for n in TENSOR_NAMES}
+def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int) -> None:
+    """Step 6: exactly the eight (version 1) or ten (version 2) tensors, float32 / int32 as stored in the file."""
+    stored = TENSOR_NAMES + ((WEIGHTS,) if version == 2 else ())
+    names = {f"{kind}.{n}" for kind in KINDS for n in stored}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
         raise InvalidArtifactError(f"expected exactly the tensors {sorted(names)}"
@@ -450,6 +518,8 @@ def _check_ranks(kind: str, ranks: torch.Tensor, dim: int) -> None:
 def _check_components(kind: str, c: Components, layers: int, heads: int, dim: int) -> None:
     expected = {"mean": (layers, heads, dim), "eigenvalues": (layers, heads, dim),
                 "eigenvectors": (layers, heads, dim, dim), "ranks": (layers, heads)}
+    if c.weights is not None:
+        expected[WEIGHTS] = (layers, heads, dim)
     for name, shape in expected.items():
         t = getattr(c, name)
         if not isinstance(t, torch.Tensor):
@@ -465,6 +535,9 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
             if not finite.all():
                 raise _where(kind, name, ~finite, "holds NaN or Inf values")
     _check_ranks(kind, c.ranks, dim)
+    if c.weights is not None and (c.weights < 0).any():
+        bad = (c.weights < 0).any(-1)
+        raise _where(kind, WEIGHTS, bad, f"effect weights must be >= 0, found {c.weights[c.weights < 0].min().item():.3g}")
     ev = c.eigenvalues.double()
     tol = EIGENVALUE_RTOL * ev.abs().amax(-1)  # [layers, heads]
     negative = (ev < -tol.unsqueeze(-1)).any(-1)

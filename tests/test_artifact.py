@@ -118,7 +118,7 @@ def rewrite_metadata(file, edit):
 def test_unknown_format_version_is_refused(tmp_path, model, artifact):
     file = artifact.save(tmp_path / "a.safetensors")
     rewrite_metadata(file, lambda meta, t: meta.update(format_version=99))
-    assert_refused(model, file, patchkv.ArtifactError, "version 99", "reads version 1")
+    assert_refused(model, file, patchkv.ArtifactError, "version 99", "reads versions 1, 2")
 
 
 def test_rank_above_head_dim_is_refused(tmp_path, model, artifact):

@@ -33,7 +33,8 @@ def parse_method(spec: str) -> Method:
         key, eq, value = item.partition("=")
         if not eq or key not in fields:
             raise ValueError(f"Method {name!r}: expected field=value with a field among {sorted(fields)}, got {item!r}.")
-        kind = float if "float" in str(hints[key]) else int
+        hint = str(hints[key])
+        kind = str if hint in ("str", "<class 'str'>") else float if "float" in hint else int
         try:
             kwargs[key] = kind(value)
         except ValueError:

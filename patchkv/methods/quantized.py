@@ -1,7 +1,15 @@
-"""`Quantized`: transform coding. A fixed budget of bits per KV head and token is allocated over the PCA
-components by dynamic programming on the calibrated eigenvalues (`patchkv.quantize.allocate_bits`); each
-component is quantized by a uniform quantizer matched to a Gaussian of its variance; codes are packed at
-a fixed rate (no per-token scales), so the cache holds exactly `bits` bits per head and token."""
+"""`Quantized`: transform coding. Bits are allocated over the PCA components, each component is quantized by
+a uniform quantizer matched to a Gaussian of its variance, and codes are packed at a fixed rate (no per-token
+scales), so the cache holds a fixed number of bytes per token.
+
+Two allocations (`pool`):
+- "head": every KV head's keys and values get exactly `bits` bits per token, by dynamic programming on the
+  head's eigenvalues (`patchkv.quantize.allocate_bits`): the squared error of each head is minimal;
+- "global": one pool of `bits x layers x kv_heads x 2` bits per token, shared by every layer, head, key and
+  value and allocated on eigenvalue x effect weight (the calibrated Fisher weight of each component,
+  `patchkv.fisher`), so the expected increase of the loss is minimal. Heads and layers the model is
+  sensitive to get more bits, others fewer or none. Needs an artifact calibrated with effect weights.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..artifact import POOLS
 from ..latent import Codec, LatentBasis
 from ..quantize import MAX_BITS, CoefficientQuantizer
 from .base import CodecMethod, check_int
@@ -41,20 +50,24 @@ class QuantizedCodec(Codec):
 
 @dataclass(frozen=True)
 class Quantized(CodecMethod):
-    """`bits` per KV head and token, for keys and for values (e.g. 64 bits = 16x smaller than fp16 at head_dim 64)."""
+    """`bits` per KV head and token on average, for keys and for values (e.g. 64 bits = 16x smaller than bf16 at
+    head_dim 64); `pool` "head" (the same budget for each head) or "global" (one pool by effect weight)."""
 
     name = "quantized"
     bits: int = 64
+    pool: str = "head"
 
     def __post_init__(self):
         object.__setattr__(self, "bits", check_int("quantized", "bits", self.bits, 1))
+        if self.pool not in POOLS:
+            raise ValueError(f"quantized: pool must be one of {POOLS}, got {self.pool!r}.")
 
     def codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
         if self.bits > artifact.head_dim * MAX_BITS:
             raise ValueError(f"quantized: bits must be <= {artifact.head_dim * MAX_BITS} (head_dim "
                              f"{artifact.head_dim} x {MAX_BITS} bits), got {self.bits}.")
         out = []
-        for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *artifact.bit_allocation(self.bits))):
+        for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *artifact.bit_allocation(self.bits, self.pool))):
             pair = []
             for c, bits in ((artifact.keys, key_bits), (artifact.values, value_bits)):
                 ranks = [int((row > 0).nonzero().max()) + 1 if row.any() else 1 for row in bits]

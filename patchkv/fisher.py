@@ -1,0 +1,155 @@
+"""Effect weights: how much an error in each cached key or value component costs the model's loss.
+
+A squared error is the wrong measure for a compressed cache: an error along a direction the queries never
+look at costs nothing, one along a direction attention (or the output projection) amplifies costs a lot.
+For a cached vector x with compression error e, the loss changes by about g^T e, g = d loss / d x, so the
+expected cost is e^T F e with the Fisher matrix F = E[g g^T]. On a PCA basis with components u_j and
+variances lambda_j, an error of relative size D on component j costs lambda_j * (u_j^T F u_j) * D: the effect
+weight w_j = u_j^T F u_j puts every component of every layer, head, key and value in the same unit (nats),
+so one bit pool can be shared by all of them (`patchkv.allocation.allocate_to_bytes`).
+
+`FisherCapture` measures F during calibration. While it is active each attention module runs an eager,
+float32 attention in which the keys and values a query reads *compressed* carry a zero perturbation
+`delta` (requiring grad): pairs (query i, key j) where j is one of the row's first `sink_tokens` real tokens
+or j is within the `window` most recent tokens of i (i - j < window) read exact keys and values, as the
+`SinksWindow` method serves them at inference. One backward pass of the summed next-token loss per row
+gives d loss / d delta = the gradient through the compressed path only; its outer products, summed in
+float64 over the non-sink tokens, are F. In `pre_rope` mode the perturbation is added before the rotary
+embedding (the cache holds un-rotated keys), in `post_rope` mode after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adapters import AttentionAdapter
+
+
+class FisherForward:
+    """The `forward` installed on an attention module while `FisherCapture` runs (a plain object, restored after).
+
+    Without an active row it calls the module's own forward."""
+
+    def __init__(self, capture: FisherCapture, attn: nn.Module, original: Any):
+        self.capture, self.attn, self.original = capture, attn, original
+
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if self.capture.row is None:
+            return self.original(hidden_states, position_embeddings, attention_mask, **kwargs)
+        hook = getattr(self.attn, "_hf_hook", None)  # accelerate: load offloaded weights around the forward
+        if hook is not None:
+            (hidden_states, position_embeddings), _ = hook.pre_forward(self.attn, hidden_states, position_embeddings)
+        out = self.capture.attend(self.attn, hidden_states, position_embeddings)
+        return hook.post_forward(self.attn, out) if hook is not None else out
+
+
+class FisherCapture:
+    """Accumulates per-layer, per-KV-head Fisher matrices of keys and values. Use as a context manager:
+
+        with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=4, window=32) as fisher:
+            fisher.step(input_ids, attention_mask, position_ids)    # one [1, seq] row at a time
+        fisher.keys, fisher.values   # float64 [layers, kv_heads, head_dim, head_dim] sums; fisher.count tokens
+    """
+
+    def __init__(self, model: nn.Module, adapter: AttentionAdapter, modules: list[nn.Module], *, mode: str,
+                 sink_tokens: int, window: int):
+        self.model, self.adapter, self.modules = model, adapter, modules
+        self.pre_rope = mode == "pre_rope"
+        self.sink_tokens, self.window = sink_tokens, window
+        heads, dim = adapter.num_kv_heads(modules[0]), adapter.head_dim(modules[0])
+        self.keys = torch.zeros(len(modules), heads, dim, dim, dtype=torch.float64)
+        self.values = torch.zeros_like(self.keys)
+        self.count = 0
+        self.row: dict[str, torch.Tensor] | None = None  # the row being measured: masks and perturbations
+        self._restore: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> FisherCapture:
+        for attn in self.modules:
+            previous = vars(attn).get("forward")
+            self._restore.append((attn, previous))
+            attn.forward = FisherForward(self, attn, previous if previous is not None else type(attn).forward.__get__(attn))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for attn, previous in self._restore:
+            if previous is None:
+                del attn.forward
+            else:
+                attn.forward = previous
+        self._restore.clear()
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+             counted: torch.Tensor, device: torch.device) -> float:
+        """One row: input_ids, attention_mask, position_ids, counted (the tokens whose gradients enter F,
+        bool) all `[1, seq]`. Runs a forward and a backward of the summed next-token loss; returns that loss
+        (nats)."""
+        real = attention_mask.bool()
+        # exact pairs: the row's first sink_tokens real tokens, and keys within `window` of the query
+        sink = real & (attention_mask.cumsum(1) <= self.sink_tokens)
+        pos = position_ids[0]
+        offset = pos[:, None] - pos[None, :]                                   # [seq, seq] query - key
+        allowed = real[0][None, :] & (offset >= 0)
+        exact = sink[0][None, :] | (offset < self.window)
+        self.row = {"allowed": allowed.to(device), "exact": exact.to(device), "offset": offset.to(device),
+                    "deltas": {}}
+        try:
+            with torch.enable_grad():
+                logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                    position_ids=position_ids.to(device), use_cache=False).logits
+                targets = input_ids[:, 1:].masked_fill(~real[:, 1:], -100).to(logits.device)
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                                       ignore_index=-100)
+                deltas = [self.row["deltas"][attn.layer_idx] for attn in self.modules]
+                grads = torch.autograd.grad(loss, [d for pair in deltas for d in pair], allow_unused=True)
+        finally:
+            self.row = None
+        keep = counted[0]
+        for layer in range(len(self.modules)):
+            for store, g in ((self.keys, grads[2 * layer]), (self.values, grads[2 * layer + 1])):
+                if g is None:
+                    continue
+                g = g[0][:, keep.to(g.device)].double()                        # [kv_heads, n, head_dim]
+                store[layer] += (g.mT @ g).cpu()
+        self.count += int(keep.sum())
+        return loss.item()
+
+    def attend(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, None]:
+        """Eager float32 attention with perturbed compressed pairs: hidden `[1, seq, hidden]` -> `[1, seq, hidden]`."""
+        adapter, row = self.adapter, self.row
+        q, k, v = (x.float() for x in adapter.project_qkv(attn, hidden_states))   # [1, heads, seq, head_dim]
+        cos, sin = (x.float() for x in position_embeddings)
+        dk, dv = torch.zeros_like(k, requires_grad=True), torch.zeros_like(v, requires_grad=True)
+        row["deltas"][attn.layer_idx] = (dk, dv)
+        q, exact_k = adapter.rotate(q, cos, sin), adapter.rotate(k, cos, sin)
+        compressed_k = adapter.rotate(k + dk, cos, sin) if self.pre_rope else exact_k + dk
+        groups = adapter.query_groups(attn)
+        scale = adapter.scaling(attn)
+        kwargs = adapter.attention_kwargs(attn)
+        allowed, exact = row["allowed"], row["exact"]
+        window = kwargs.get("sliding_window")
+        if window is not None:  # a sliding layer attends to its last `window` keys only
+            allowed = allowed & (row["offset"] < window)
+
+        def scores(keys: torch.Tensor) -> torch.Tensor:
+            s = q @ keys.repeat_interleave(groups, 1).mT * scale
+            softcap = kwargs.get("softcap")
+            return s if softcap is None else torch.tanh(s / softcap) * softcap
+
+        s = torch.where(exact, scores(exact_k), scores(compressed_k)).masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)                           # fully masked (padding) rows -> 0
+        out = (p * exact) @ v.repeat_interleave(groups, 1) + (p * ~exact) @ (v + dv).repeat_interleave(groups, 1)
+        out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype)
+        return adapter.output(attn, out), None
+
+
+def effect_weights(fisher: torch.Tensor, eigenvectors: torch.Tensor) -> torch.Tensor:
+    """w[l, h, j] = u_j^T F[l, h] u_j: fisher `[layers, heads, d, d]`, eigenvectors `[layers, heads, d, d]`
+    (column j = u_j) -> `[layers, heads, d]` float64."""
+    u = eigenvectors.double()
+    return torch.einsum("lhij,lhik,lhkj->lhj", u, fisher.double(), u).clamp_min(0)
