@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU checks for a lent CUDA machine (one H200, one run of at most 10 minutes, nothing downloadable), run in a
+# copy of this repository with the machine's own python3 (torch, triton, transformers, matplotlib installed):
+#
+#     bash evals/gpu_check.sh                  # results in $OUT if set, else evals/results/gpu/
+#     bash evals/gpu_check.sh --cpu-smoke      # the same steps at tiny sizes on CPU (tests/test_bench_op.py)
+#
+# 1. the Triton kernels against their PyTorch references, compiled on CUDA (the script of tests/test_kernels.py
+#    with CUDA as the default device; --cpu-smoke: under TRITON_INTERPRET=1);
+# 2. the operator benchmark, one Llama-3-8B attention layer, contexts 8k-128k (evals/bench_attention_op.py);
+# 3. the GEMM benchmark (evals/bench_gemm.py).
+# Each step's output goes to $RESULTS/log.txt too; versions and nvidia-smi to $RESULTS/env.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+RESULTS=${OUT:-evals/results/gpu}
+export PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS"
+LOG="$RESULTS/log.txt"
+: >"$LOG"
+
+if [[ "${1:-}" == "--cpu-smoke" ]]; then
+  DEVICE=cpu
+  INTERPRET=1  # the kernels step only: elsewhere the benchmarks run what a CPU runs, the PyTorch references
+  OP_ARGS=(--contexts 1024,2048 --top-k 128 --warmup 1 --repeats 2 --threads 1)
+  GEMM_ARGS=(--seq 64 --heads 64 --head-dims 1,8,64 --ranks 8,32 --rank-heads 8 --square 256 --repeats 2 --threads 1)
+else
+  DEVICE=cuda
+  INTERPRET=0
+  OP_ARGS=(--contexts 8192,16384,32768,65536,131072 --warmup 10 --repeats 50)
+  GEMM_ARGS=(--warmup 3 --repeats 20)
+  # this package from the local tree only (no index, no dependencies: the machine's torch and transformers stay)
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee -a "$LOG"
+fi
+
+step() {  # step NAME COMMAND...: run it, its output into the log, stop at the first failure
+  echo "== $1 ($(date +%T))" | tee -a "$LOG"
+  shift
+  "$@" 2>&1 | tee -a "$LOG"
+}
+
+{
+  "$PY" -c "import torch, transformers, triton, patchkv; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| triton', triton.__version__, '| patchkv', patchkv.__version__)"
+  if [[ $DEVICE == cuda ]]; then nvidia-smi; fi
+} >"$RESULTS/env.txt" 2>&1
+cat "$RESULTS/env.txt" | tee -a "$LOG"
+
+step "triton kernels vs references ($DEVICE)" env TRITON_INTERPRET=$INTERPRET "$PY" -c "
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location('test_kernels', 'tests/test_kernels.py')
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+torch.set_default_device('$DEVICE')
+exec(module.SCRIPT)"
+step "operator benchmark ($DEVICE)" "$PY" evals/bench_attention_op.py --device "$DEVICE" "${OP_ARGS[@]}" \
+  --conditions "gpu_check.sh on $DEVICE" --out "$RESULTS"
+step "GEMM benchmark ($DEVICE)" "$PY" evals/bench_gemm.py --device "$DEVICE" "${GEMM_ARGS[@]}" \
+  --conditions "gpu_check.sh on $DEVICE" --out "$RESULTS"
+echo "== done: $(ls "$RESULTS" | tr '\n' ' ')" | tee -a "$LOG"
