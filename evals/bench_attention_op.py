@@ -1,6 +1,7 @@
 """One decode step of one attention layer: unpatched SDPA vs every patchkv method, total and per stage.
 
-    nice -n 10 .venv/bin/python evals/bench_attention_op.py --out evals/results
+    nice -n 10 .venv/bin/python evals/bench_attention_op.py --threads 1 --out evals/results \
+        --conditions "1 thread on 2 CPU cores shared with other jobs (load ~5), nice 10"
 
 Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bfloat16, batch 1) at contexts
 8k-128k, with random orthonormal bases (QR) in an in-memory artifact: an operator benchmark, no model.

@@ -1,6 +1,7 @@
 """Achieved FLOP/s of attention's batched matmuls vs their small dimension: what narrow heads and latent ranks cost.
 
-    nice -n 10 .venv/bin/python evals/bench_gemm.py --out evals/results
+    nice -n 10 .venv/bin/python evals/bench_gemm.py --threads 1 --repeats 9 --out evals/results \
+        --conditions "1 thread on 2 CPU cores shared with other jobs (load ~5), nice 10"
 
 Two sweeps of the two batched matmuls of attention over `seq` queries and `seq` keys per head:
 `qK`, scores = Q K^T, `[heads, seq, d] @ [heads, d, seq]` (inner dimension d), and `pV`, outputs = P V,
