@@ -62,6 +62,9 @@ class Quantized(CodecMethod):
         if self.pool not in POOLS:
             raise ValueError(f"quantized: pool must be one of {POOLS}, got {self.pool!r}.")
 
+    def spec(self) -> str:
+        return f"quantized:bits={self.bits}" + ("" if self.pool == "head" else f",pool={self.pool}")
+
     def codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
         if self.bits > artifact.head_dim * MAX_BITS:
             raise ValueError(f"quantized: bits must be <= {artifact.head_dim * MAX_BITS} (head_dim "
