@@ -41,29 +41,55 @@ PPL_TASKS = {"ppl_prose": "patchkv_prose_ppl_4k", "ppl_shakespeare": "patchkv_sh
 FIELDS = ["method", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "score", "unpatched_score"]
 
 
+EXACT = (4, 32)  # sinks and recent window kept exact by every patchkv config
+POSITION_BYTES = 4  # the int32 true position a LatentCache stores per token
+
+
+def bits_for(artifact: patchkv.Artifact, target_bytes: float, pool: str) -> int:
+    """The most bits per head (average) whose whole cache at CONTEXT tokens (exact sinks and window in bf16,
+    codes, positions) holds at most `target_bytes` per token."""
+    exact = sum(EXACT)
+
+    def total(bits: int) -> float:
+        return (exact * BF16_BYTES + (CONTEXT - exact) * artifact.kv_bytes_per_token(bits, pool)) / CONTEXT \
+            + POSITION_BYTES
+
+    low, high = 1, artifact.head_dim * 8
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if total(mid) <= target_bytes else (low, mid - 1)
+    return low
+
+
 def methods(pre: patchkv.Artifact, post: patchkv.Artifact) -> list[tuple[str, dict]]:
-    """(name, spec): spec has `artifact` and `methods`, or a `cache` factory for QuantizedCache."""
+    """(name, spec): spec has `artifact` and `methods` (or `methods_for(target bytes)` with `bytes_of`, the
+    config whose measured bytes it matches, or `ratio`), or a `cache` factory for QuantizedCache."""
 
     def quanto(nbits: int):
         return lambda model: QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64,
                                             residual_length=128)
 
-    sw = patchkv.SinksWindow(4, 32)
-    out = [("unpatched", {})]
-    for nbits in (4, 2):
-        out.append((f"QuantizedCache quanto int{nbits} g64 residual 128", {"cache": quanto(nbits)}))
-    for bits in (256, 128, 64):  # 4x, 8x, 16x vs bf16 per head and token, before sinks/window
-        out.append((f"quantized {bits} bits/head pre-RoPE + sinks 4/window 32",
-                    {"artifact": pre, "methods": [sw, patchkv.Quantized(bits)]}))
+    sw = patchkv.SinksWindow(*EXACT)
+
+    def coded(artifact, pool, extra=()):
+        return lambda target: [sw, patchkv.Quantized(bits_for(artifact, target, pool), pool=pool), *extra]
+
+    quanto4, quanto2 = "QuantizedCache quanto int4 g64 residual 128", "QuantizedCache quanto int2 g64 residual 128"
+    out = [("unpatched", {}), (quanto4, {"cache": quanto(4)}), (quanto2, {"cache": quanto(2)})]
+    for label, match in (("quanto int4", quanto4), ("quanto int2", quanto2)):
+        out.append((f"quantized global pre-RoPE @ {label} bytes", {"artifact": pre, "bytes_of": match,
+                                                                   "methods_for": coded(pre, "global")}))
+    for ratio in (4, 8, 16):
+        out.append((f"quantized global pre-RoPE {ratio}x", {"artifact": pre, "ratio": ratio,
+                                                           "methods_for": coded(pre, "global")}))
     out += [
-        ("quantized 256 bits/head post-RoPE + sinks 4/window 32", {"artifact": post, "methods": [sw, patchkv.Quantized(256)]}),
-        ("lowrank 32 pre-RoPE + sinks 4/window 32", {"artifact": pre, "methods": [sw, patchkv.LowRank(rank=32)]}),
-        ("quantized 128 bits/head pre-RoPE + sinks/window + top-k 256",
-         {"artifact": pre, "methods": [sw, patchkv.Quantized(128), patchkv.TopK(256, 16)]}),
+        ("quantized per-head pre-RoPE 8x", {"artifact": pre, "ratio": 8, "methods_for": coded(pre, "head")}),
+        ("quantized global post-RoPE 8x", {"artifact": post, "ratio": 8, "methods_for": coded(post, "global")}),
+        ("quantized global pre-RoPE 8x + top-k 256", {"artifact": pre, "ratio": 8, "methods_for": coded(
+            pre, "global", [patchkv.TopK(256, 16)])}),
+        ("lowrank 16 pre-RoPE", {"artifact": pre.with_ranks(rank=16), "methods": [sw, patchkv.LowRank(rank=16)]}),
     ]
     return out
-
-
 
 
 def token_ppl(model, tokenizer, tasks: list[str], docs: int, chunk: int, cache) -> tuple[dict, float]:
@@ -142,6 +168,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated method indices (for quick runs)")
     ap.add_argument("--out", default=str(ROOT / "evals" / "results"))
     ap.add_argument("--name", default="smollm2_accuracy")
+    ap.add_argument("--bases", default=str(BASES))
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -151,19 +178,24 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
-    pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors").with_ranks(rank=64)
-    post = patchkv.Artifact.load(BASES / "post_rope.safetensors").with_ranks(rank=64)
+    pre = patchkv.Artifact.load(Path(args.bases) / "pre_rope.safetensors")
+    post = patchkv.Artifact.load(Path(args.bases) / "post_rope.safetensors")
     chosen = methods(pre, post)
     if args.only:
         chosen = [chosen[int(i)] for i in args.only.split(",")]
     subtasks = [f"ruler_{t}" if not t.startswith("ruler") else t for t in args.ruler.split(",") if t]
     subtasks = [t.removeprefix("ruler_") for t in subtasks]
     lengths = [int(n) for n in args.ruler_lengths.split(",")]
-    rows, base = [], {}
+    rows, base, measured = [], {}, {}
     for name, spec in chosen:
         start = time.time()
         artifact, cache = spec.get("artifact"), spec.get("cache")
-        with patchkv.patched(model, artifact, spec["methods"]) if artifact else contextlib.nullcontext():
+        chosen_methods = spec.get("methods")
+        if "methods_for" in spec:
+            target = measured[spec["bytes_of"]] if "bytes_of" in spec else BF16_BYTES / spec["ratio"]
+            chosen_methods = spec["methods_for"](target)
+            name = f"{name} ({' + '.join(m.spec() for m in chosen_methods)})"
+        with patchkv.patched(model, artifact, chosen_methods) if artifact else contextlib.nullcontext():
             scores, per_token = token_ppl(model, tokenizer, list(PPL_TASKS.values()), args.docs, args.chunk, cache)
             ruler_scores = ruler(model, tokenizer, subtasks, lengths, args.ruler_samples,
                                  None if cache is None else {"backend": "quanto", "nbits": int(name.split("int")[1][0]),
@@ -171,6 +203,7 @@ def main() -> None:
                 if subtasks else {}
         if name == "unpatched":
             per_token = BF16_BYTES + 0.0  # the DynamicCache in bf16
+        measured[name] = per_token
         results = {k: v for k, v in zip(PPL_TASKS, scores.values())}
         results |= {(f"ruler_{t}", n): v for (t, n), v in ruler_scores.items()}
         for key, score in results.items():

@@ -27,9 +27,16 @@ def smollm2():
     return AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval(), tokenizer
 
 
-def window_ppl(model, ids: torch.Tensor) -> float:
+def window_ppl(model, ids: torch.Tensor, chunk: int = 32) -> float:
+    """Token perplexity, fed `chunk` tokens per forward through the cache (a forward attends to its own tokens
+    exactly, so every query sees at most `chunk` tokens beyond the method's exact window uncompressed)."""
+    cache, logprobs = None, []
     with torch.no_grad():
-        logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+        for start in range(0, ids.shape[1], chunk):
+            out = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True)
+            cache = out.cache
+            logprobs.append(out.logits[0].float().log_softmax(-1))
+    logprobs = torch.cat(logprobs)[:-1]
     return math.exp(-logprobs.gather(1, ids[0, 1:, None]).mean().item())
 
 
@@ -42,9 +49,10 @@ def test_shipped_bases_on_one_perplexity_window(smollm2):
     assert pre.calibration["sink_tokens"] == 4 and pre.model["model_type"] == "llama"
     with patchkv.patched(model, pre.with_ranks(rank=64)):  # full rank: only bf16 rounding
         assert window_ppl(model, ids) == pytest.approx(base, rel=0.01)
-    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256)]):  # 4x vs bf16
+    assert pre.has_effect_weights
+    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):  # 4x
         compressed = window_ppl(model, ids)
-    assert base < compressed < 1.15 * base  # measured about +5% (README: short of the 1% target)
+    assert base < compressed < 1.06 * base  # measured about +1.8% (README: short of the 1% target)
 
 
 def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
@@ -61,5 +69,5 @@ def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
 
     assert score() >= 2 / 3  # unpatched SmolLM2 finds the needle
     pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
-    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256)]):
+    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):
         assert score() >= 2 / 3
