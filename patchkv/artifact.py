@@ -230,7 +230,8 @@ class Artifact:
                              "version 1). Recalibrate with effect weights: patchkv.calibrate(..., fisher_tokens=8192) "
                              "or `patchkv calibrate --fisher-tokens 8192`; or use pool='head'.")
         layers, heads = self.num_layers, self.num_kv_heads
-        costs = [getattr(self, kind).costs()[layer].flatten() for layer in range(layers) for kind in KINDS]
+        per_kind = [getattr(self, kind).costs() for kind in KINDS]
+        costs = [c[layer].flatten() for layer in range(layers) for c in per_kind]
         groups = allocate_to_bytes(costs, bits * layers * heads * 2 // 8)
         keys = torch.stack([groups[2 * layer] for layer in range(layers)]).view(layers, heads, dim)
         values = torch.stack([groups[2 * layer + 1] for layer in range(layers)]).view(layers, heads, dim)

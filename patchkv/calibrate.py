@@ -111,8 +111,9 @@ def calibrate(
                 hook.post_forward(attn, None)
 
     hooks = [m.register_forward_pre_hook(collect, with_kwargs=True) for m in modules]
-    fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=fisher_window)
-    capturing = fisher if fisher_tokens else contextlib.nullcontext()
+    fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=fisher_window) \
+        if fisher_tokens else None
+    capturing = fisher or contextlib.nullcontext()
     seen = sequences = 0
     fingerprint = hashlib.blake2b(digest_size=8)  # of the stream every rank iterated, compared at the end
     bar = tqdm(total=max_tokens, desc="patchkv calibrate", unit="tok", disable=not progress or here.rank != 0)
