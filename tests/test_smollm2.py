@@ -52,7 +52,7 @@ def test_shipped_bases_on_one_perplexity_window(smollm2):
     assert pre.has_effect_weights
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):  # 4x
         compressed = window_ppl(model, ids)
-    assert base < compressed < 1.06 * base  # measured about +1.8% (README: short of the 1% target)
+    assert base < compressed < 1.06 * base  # measured about +2.0% (README: short of the 1% target)
 
 
 def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
