@@ -18,6 +18,14 @@ real `LatentLayer` filled through the method's codec, and the stages are
                  weighted sum y = p.V FUSED in one call, timed as one stage
     decode       y's latent part through the value basis (`patchkv.attention._decode_values`)
 
+Those are the stages of the attention function's path. A decode step (which this is) takes the grouped path
+(`patchkv.attention.grouped_decode`), with no augmented features:
+
+    qk           the true scores region by region (`Mode.decode_scores`: post-RoPE q.U against latents;
+                 pre-RoPE keys rebuilt and rotated, then q.K)
+    softmax      `decode_weights`
+    pv           exact values and latent coefficients weighted, the latent part decoded (`weighted_values`)
+
 Unpatched is that same attention function over a bf16 K/V cache. The `total` row of each method is the
 sum of its stages' medians. `bytes_read` is what the step must read from the cache (bases and the
 query are negligible), `bandwidth_bound_ms` = bytes_read / the machine's copy bandwidth (a large
@@ -42,7 +50,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 from patchkv.adapters.llama import LlamaAdapter
 from patchkv.artifact import Artifact, Components
-from patchkv.attention import _decode_values
+from patchkv.attention import _decode_values, decode_weights, grouped_decode_applies, weighted_values
 from patchkv.cache import LatentLayer
 from patchkv.context import LayerPatch, Patch
 from patchkv.latent import augmented
@@ -51,7 +59,7 @@ from patchkv.modes import MODES, Visible, compute_dtype
 from patchkv.rope import RopeTable
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("unpack", "score", "select", "reconstruct", "augment", "attention", "decode")
+STAGES = ("unpack", "score", "select", "reconstruct", "augment", "attention", "decode", "qk", "softmax", "pv")
 FIELDS = ("context", "method", "stage", "ms", "bytes_read", "bandwidth_bound_ms", "ratio_vs_sdpa", "vs_bound",
           "bandwidth_gbps", "device", "threads", "conditions")
 
@@ -230,6 +238,13 @@ def patchkv_step(layer: Layer, lp: LayerPatch, cache: LatentLayer, cos: torch.Te
             middle_pos = middle_pos.unsqueeze(1).expand(-1, chosen.shape[1], -1).gather(2, chosen)
     seen = Visible(regions["sink_keys"], regions["sink_values"], regions["recent_keys"], regions["recent_values"],
                    key_coeffs, value_coeffs, sink_pos, middle_pos, recent_pos)
+    if grouped_decode_applies(layer.attn, lp, q, {}):  # what `_attend` runs at a decode step: `grouped_decode`
+        with clock("qk"):
+            scores = mode.decode_scores(lp, q, cos, sin, seen)
+        with clock("softmax"):
+            p = decode_weights(scores, None, layer.adapter.scaling(layer.attn))
+        with clock("pv"):
+            return weighted_values(lp, p, seen, q.dtype)
     work = compute_dtype(q)
     with clock("reconstruct" if mode.name == "pre_rope" else "augment"):
         queries, keys = mode.score_operands(lp, q, cos, sin, seen)

@@ -34,10 +34,14 @@ def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: t
 
 
 def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
-    """`[batch, heads, n, rank]` -> rotated keys `[batch, heads, n, head_dim]`; see `reference`."""
-    impl = _triton_for(coeffs) or reference
-    return impl.reconstruct_rope(coeffs, basis, mean, cos, sin)
+                     sin: torch.Tensor, paired: bool = False, turn: torch.Tensor | None = None) -> torch.Tensor:
+    """`[batch, heads, n, rank]` -> rotated keys `[batch, heads, n, head_dim]` (head dims in `reference.pair_order`
+    if `paired`; `turn`, the complex rotation, used by the reference only); see `reference`."""
+    impl = _triton_for(coeffs)
+    if impl is None:
+        return reference.reconstruct_rope(coeffs, basis, mean, cos, sin, paired, turn)
+    out = impl.reconstruct_rope(coeffs, basis, mean, cos, sin)
+    return out[..., reference.pair_order(out.shape[-1], out.device)] if paired else out
 
 
 __all__ = ["chunked_latent_scores", "latent_scores", "reconstruct_rope", "reference"]

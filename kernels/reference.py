@@ -36,19 +36,38 @@ def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: t
     return scores.permute(0, 1, 3, 2, 4).reshape(batch, heads, chunks * chunk)[..., :seq]
 
 
+def pair_order(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Indices `0, half, 1, half + 1, ...`: head dims ordered so that each pair RoPE rotates together is adjacent."""
+    return torch.arange(head_dim, device=device).view(2, head_dim // 2).t().flatten()
+
+
 def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
+                     sin: torch.Tensor, paired: bool = False, turn: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild keys from latent coefficients and rotate them, fused in the Triton kernel.
 
     coeffs: `[batch, heads, n, rank]`; basis: `[heads, head_dim, rank]`; mean: `[heads, head_dim]`;
     cos, sin: `[batch, heads, n, head_dim]` (the rotation of each token, gathered by position).
-    Returns `[batch, heads, n, head_dim]`: RoPE(mean + basis @ coeffs).
+    Returns `[batch, heads, n, head_dim]`: RoPE(mean + basis @ coeffs), head dims in `pair_order` if `paired`
+    (for a consumer that orders its query the same way: dot products are unchanged).
+
+    In pair order, when both halves of the table are the same rotation (every rotate-half RoPE of transformers)
+    and coeffs are float32 or float64, keys are rebuilt in that order and each pair turned by one complex
+    product: one pass over the keys instead of five. turn: that rotation, `cos + i sin` of the first half
+    (broadcastable to `[batch, heads, n, head_dim / 2]`), when the caller has it (then cos and sin are not read).
     """
+    half = basis.shape[1] // 2
+    order = pair_order(2 * half, basis.device)
+    if paired and coeffs.dtype in (torch.float32, torch.float64) and (turn is not None or (
+            torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:]))):
+        keys = coeffs @ basis[:, order].transpose(1, 2)
+        keys += mean[:, order].unsqueeze(1)
+        turn = torch.complex(cos[..., :half], sin[..., :half]) if turn is None else turn
+        return torch.view_as_real(torch.view_as_complex(keys.view(*keys.shape[:-1], half, 2)) * turn).view(keys.shape)
     keys = coeffs @ basis.transpose(1, 2)
     keys += mean.unsqueeze(1)
     # RoPE(x) = x * cos + rotate_half(x) * sin, half by half (no rotated copy of the keys)
-    half = keys.shape[-1] // 2
     x1, x2 = keys[..., :half], keys[..., half:]
     first = (x1 * cos[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
     second = (x2 * cos[..., half:]).addcmul_(x1, sin[..., half:])
-    return torch.cat([first, second], dim=-1)
+    out = torch.cat([first, second], dim=-1)
+    return out[..., order] if paired else out

@@ -11,6 +11,10 @@ adapter, and these changes:
    queries are the true scores, and values augmented as `[exact v | latent c | 1]`, in the mode's
    `compute_dtype` (float32 on CPU for half-precision models);
 5. outputs are decoded once per query: `sum_j p_j v_j + basis @ (sum_j p_j c_j) + (sum_j p_j) mean`.
+
+A decode step (one query per sequence, no dropout, softcap or returned weights) skips the augmented copies
+(`grouped_decode`): the mode scores each region directly (latent tokens in the latent space), one softmax
+runs over all of them, and the same sum is taken region by region, each KV head's query heads in one product.
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ def _attend(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, q: torch.Tensor
             mask = _select_columns(mask, chosen, ns, nm, nr, lp.keys.basis.query_groups)
     seen = Visible(regions["sink_keys"], regions["sink_values"], regions["recent_keys"], regions["recent_values"],
                    key_coeffs, value_coeffs, sink_pos, middle_pos, recent_pos)
+    if grouped_decode_applies(attn, lp, q, kwargs):
+        return grouped_decode(lp, q, cos, sin, seen, mask, patch.adapter.scaling(attn)), None
     work = compute_dtype(q)
     queries, keys = patch.mode.score_operands(lp, q, cos, sin, seen)
     values, has_exact, has_latent = augmented(seen.sink_values.to(work), value_coeffs.to(work),
@@ -118,6 +124,58 @@ def _attend(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, q: torch.Tensor
         attn, queries, keys, values, mask, dropout=attn.attention_dropout if attn.training else 0.0,
         scaling=patch.adapter.scaling(attn), **{**kwargs, **patch.adapter.attention_kwargs(attn)})
     return _decode_values(lp, out.to(q.dtype), has_exact, has_latent, q.shape[-1]), weights
+
+
+def grouped_decode_applies(attn: nn.Module, lp: LayerPatch, q: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """A decode step (one query per sequence) attends by `grouped_decode` unless the model's attention function
+    would add something to softmax(q.k * scaling + mask) v: dropout, a logit softcap, returned weights."""
+    return (q.shape[2] == 1 and not attn.training and not kwargs.get("output_attentions")
+            and set(lp.patch.adapter.attention_kwargs(attn)) <= {"sliding_window"})
+
+
+def grouped_decode(lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seen: Visible,
+                   mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """One decode step's attention without augmented features: true scores region by region (the mode's
+    `decode_scores`, latent tokens in the latent space), one softmax (`decode_weights`), then the weighted sum
+    of exact values and, for latent ones, `U (sum_j p_j c_j) + (sum_j p_j) mean` (`weighted_values`), each KV
+    head's query heads in one product. q `[batch, heads, 1, d]` in cache space -> `[batch, 1, heads, d]`, as the
+    attention function returns it."""
+    scores = lp.patch.mode.decode_scores(lp, q, cos, sin, seen)
+    return weighted_values(lp, decode_weights(scores, mask, scaling), seen, q.dtype)
+
+
+def decode_weights(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Scores `[batch, kv_heads, groups, n]` -> attention weights (same shape and dtype): softmax, in float32, of
+    scores * scaling + mask; mask `[batch, 1 or heads, 1, >= n]`, its first n columns, as the attention
+    functions take them."""
+    scores = scores * scaling
+    batch, kv_heads, groups, n = scores.shape
+    if mask is not None:
+        m = _additive(mask[..., :n])
+        scores = scores + (m.view(m.shape[0], kv_heads, groups, n) if m.shape[1] > 1 else m)
+    return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+
+
+def weighted_values(lp: LayerPatch, p: torch.Tensor, seen: Visible, dtype: torch.dtype) -> torch.Tensor:
+    """Weights `[batch, kv_heads, groups, n]` over sinks, middle and window -> `[batch, 1, heads, d]` in `dtype`:
+    exact values weighted as they are, latent ones in the latent space, decoded once."""
+    batch, kv_heads, groups, n = p.shape
+    work = p.dtype
+    ns, nm = seen.sink_values.shape[2], seen.value_coeffs.shape[2]
+    p_sink, p_middle, p_recent = p.split([ns, nm, n - ns - nm], dim=-1)
+    out = None
+    for weights, values in ((p_sink, seen.sink_values), (p_recent, seen.recent_values)):
+        if weights.shape[-1]:
+            part = weights @ values.to(work)  # [batch, kv_heads, groups, d]
+            out = part if out is None else out + part
+    if nm:
+        basis = lp.values.basis
+        coeffs = (p_middle @ seen.value_coeffs.to(work)).reshape(batch, kv_heads * groups, 1, -1)
+        latent = coeffs @ basis.query_basis.to(work).transpose(1, 2) + p_middle.sum(-1).reshape(
+            batch, -1, 1, 1) * basis.query_mean.to(work).unsqueeze(1)
+        latent = latent.view(batch, kv_heads, groups, -1)
+        out = latent if out is None else out + latent
+    return out.reshape(batch, 1, kv_heads * groups, -1).to(dtype)
 
 
 def _select_columns(mask: torch.Tensor, chosen: torch.Tensor, ns: int, nm: int, nr: int, groups: int) -> torch.Tensor:

@@ -9,6 +9,11 @@ Values are the same in both modes (see `patchkv.attention`). Exact tokens (sinks
 are scored together by augmenting features, `[exact dims | latent dims | 1]`, so any attention function
 (eager, sdpa) sees one key tensor whose dot products are the true scores, mean term included.
 
+At a decode step (`patchkv.attention.grouped_decode`) the mode scores each region directly instead
+(`decode_scores`), with no augmented copy: post-RoPE latent tokens in the latent space, pre-RoPE middle keys
+rebuilt with each rotated pair of dims adjacent (`kernels.reference.pair_order`, one complex product per pair)
+and dotted with the query in that same order.
+
 Attention operands are built in `compute_dtype`: float32 on CPU for half-precision models (CPU attention
 kernels run several times faster in float32 than in bfloat16, and the patched operands are small), the
 model's dtype elsewhere.
@@ -58,18 +63,29 @@ class Visible:
     recent_positions: torch.Tensor
 
 
-def rope_rows(lp: LayerPatch, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[..., rotary_dim]` at `positions` `[batch, n]` or `[batch, heads, n]`. Positions on CPU that run
-    `p, p + 1, ...` alike in every row (the middle of an unpadded batch) are a slice of the table, not a gather."""
+def grouped_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One query per head `[batch, heads, 1, D]` against `[batch, kv_heads, n, D]` -> `[batch, kv_heads, groups, n]`:
+    each KV head's query heads in one product, no repeated keys."""
+    batch, heads, _, dim = q.shape
+    return q.reshape(batch, keys.shape[1], heads // keys.shape[1], dim) @ keys.transpose(-1, -2)
+
+
+def rope_rows(lp: LayerPatch, positions: torch.Tensor, like: torch.Tensor, turn: bool = False):
+    """cos, sin `[..., rotary_dim]` at `positions` `[batch, n]` or `[batch, heads, n]` (with `turn`: the rows of
+    `RopeTable.turn()` instead, `[..., rotary_dim / 2]` complex). Positions on CPU that run `p, p + 1, ...` alike
+    in every row (the middle of an unpadded batch) are a slice of the table, not a gather."""
     n = positions.shape[-1]
     if positions.device.type == "cpu" and positions.dim() == 2 and n > 1:
         first = positions[0, 0]
         if bool((positions == first + torch.arange(n, dtype=positions.dtype)).all()):
             lp.rope.at(positions[:1, -1:], like=like)  # grows the table to the last position
             start = int(first)
+            if turn:
+                return lp.rope.turn()[start: start + n].expand(positions.shape[0], -1, -1)
             return lp.rope.cos[start: start + n].expand(positions.shape[0], -1, -1), \
                 lp.rope.sin[start: start + n].expand(positions.shape[0], -1, -1)
-    return lp.rope.at(positions, like=like)
+    cos, sin = lp.rope.at(positions, like=like)
+    return lp.rope.turn()[positions.to(cos.device).long()] if turn else (cos, sin)
 
 
 def rotate_at(lp: LayerPatch, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -100,10 +116,17 @@ class Mode:
         products are the true attention scores of q (in cache space) against every visible token."""
         raise NotImplementedError
 
+    def decode_scores(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      seen: Visible) -> torch.Tensor:
+        """The true scores of a single query `[batch, heads, 1, d]` (in cache space) against every visible token,
+        region by region with no augmented copy -> `[batch, kv_heads, groups, n]` in `compute_dtype(q)`."""
+        raise NotImplementedError
+
     def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            coeffs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Scores of a single query `[batch, heads, 1, d]` against middle tokens from their first r components
-        `coeffs` `[batch, kv_heads, m, r]` (up to a per-query constant) -> float32 `[batch, heads, m]`."""
+        `coeffs` `[batch, kv_heads, m, r]`, the mean term included (a KV head selects by the best of its query
+        heads, so no per-query-head offset may be dropped) -> float32 `[batch, heads, m]`."""
         raise NotImplementedError
 
     def cached_keys_as_rotated(self, lp: LayerPatch, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -126,17 +149,36 @@ class PreRoPE(Mode):
         keys = rotated[0] if len(rotated) == 1 else torch.cat(rotated, dim=2)  # no copy of a lone region
         return lp.patch.adapter.rotate(q, cos, sin).to(work), keys
 
+    def decode_scores(self, lp, q, cos, sin, seen):
+        work = compute_dtype(q)
+        q_rot = lp.patch.adapter.rotate(q, cos, sin).to(work)
+        scores = []
+        if seen.sink_keys.shape[2]:
+            scores.append(grouped_scores(q_rot, rotate_at(lp, seen.sink_keys.to(work), seen.sink_positions)))
+        if seen.key_coeffs.shape[2]:  # keys in pair order, the query too: the pairs are never put back
+            keys = self._rotated_middle(lp, seen.key_coeffs.to(work), seen.middle_positions, paired=True)
+            scores.append(grouped_scores(q_rot[..., kernels.reference.pair_order(q.shape[-1], q.device)], keys))
+        if seen.recent_keys.shape[2]:
+            scores.append(grouped_scores(q_rot, rotate_at(lp, seen.recent_keys.to(work), seen.recent_positions)))
+        return scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
+
     @staticmethod
-    def _rotated_middle(lp: LayerPatch, coeffs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotated_middle(lp: LayerPatch, coeffs: torch.Tensor, positions: torch.Tensor,
+                        paired: bool = False) -> torch.Tensor:
         """Coefficients `[batch, kv_heads, m, max_rank]` at `positions` (`[batch, m]` or `[batch, kv_heads, m]`)
-        -> rotated keys `[batch, kv_heads, m, head_dim]` in coeffs' dtype (fused when the whole head rotates)."""
+        -> rotated keys `[batch, kv_heads, m, head_dim]` in coeffs' dtype (fused when the whole head rotates),
+        head dims in `pair_order` if `paired`."""
         basis = lp.keys.basis
         cos, sin = rope_rows(lp, positions, coeffs)
         if lp.patch.adapter.rope_convention == "rotate_half" and cos.shape[-1] == basis.head_dim:
+            turn = rope_rows(lp, positions, coeffs, turn=True) if paired and lp.rope.turn() is not None else None
             if positions.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            return kernels.reconstruct_rope(coeffs, basis.basis.to(coeffs.dtype), basis.mean.to(coeffs.dtype), cos, sin)
-        return rotate_at(lp, basis.reconstruct(coeffs), positions)
+                turn = None if turn is None else turn.unsqueeze(1)
+            return kernels.reconstruct_rope(coeffs, basis.basis.to(coeffs.dtype), basis.mean.to(coeffs.dtype), cos, sin,
+                                            paired, turn)
+        keys = rotate_at(lp, basis.reconstruct(coeffs), positions)
+        return keys[..., kernels.reference.pair_order(keys.shape[-1], keys.device)] if paired else keys
 
     def approximate_scores(self, lp, q, cos, sin, coeffs, positions):
         basis, rotate = lp.keys.basis, lp.patch.adapter.rotate
@@ -170,9 +212,28 @@ class PostRoPE(Mode):
         parts = ([q] if has_exact else []) + ([basis.project_queries(q), basis.mean_scores(q)] if has_latent else [])
         return torch.cat(parts, dim=-1).to(work), keys
 
+    def decode_scores(self, lp, q, cos, sin, seen):
+        work = compute_dtype(q)
+        basis, qw = lp.keys.basis, q.to(work)
+        scores = []
+        if seen.sink_keys.shape[2]:
+            scores.append(grouped_scores(qw, seen.sink_keys.to(work)))
+        if seen.key_coeffs.shape[2]:  # q . (mean + U c) = (q U) . c + q . mean, in the latent space
+            q_latent = qw @ basis.query_basis.to(work)
+            mean = (qw * basis.query_mean.to(work).unsqueeze(1)).sum(-1)  # [batch, heads, 1]
+            groups = basis.query_groups
+            scores.append(grouped_scores(q_latent, seen.key_coeffs.to(work)) + mean.view(
+                mean.shape[0], -1, groups, 1))
+        if seen.recent_keys.shape[2]:
+            scores.append(grouped_scores(qw, seen.recent_keys.to(work)))
+        return scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
+
     def approximate_scores(self, lp, q, cos, sin, coeffs, positions):
-        q_latent = lp.keys.basis.project_queries(q)[:, :, 0, : coeffs.shape[-1]]
-        return kernels.latent_scores(q_latent.float(), coeffs.float(), lp.keys.basis.query_groups)
+        basis = lp.keys.basis
+        q_latent = basis.project_queries(q)[:, :, 0, : coeffs.shape[-1]]
+        # q . mean differs between the query heads of one KV head, which keeps the best for any of them: kept
+        return kernels.latent_scores(q_latent.float(), coeffs.float(), basis.query_groups) + \
+            basis.mean_scores(q)[:, :, 0].float()
 
     def cached_keys_as_rotated(self, lp, keys, positions):
         return keys

@@ -3,6 +3,7 @@
 - DP codes: the table-and-matrix decode against the dequantization formula on a bit-by-bit packed layout;
 - pre-RoPE top-k: latent scoring at each chunk's reference rotation against scores of keys rotated there,
   and attention over the chosen tokens against dense attention over exactly those tokens;
+- post-RoPE top-k: latent scoring against the scores of the truncated keys, mean term included;
 - float32 operands on CPU for half-precision models against the unpatched model.
 """
 
@@ -101,6 +102,46 @@ def test_pre_rope_latent_scores_equal_keys_rotated_to_their_chunk_reference(pre_
     assert torch.allclose(scores, expected, atol=1e-4)
 
 
+def test_post_rope_latent_scores_are_the_scores_of_the_truncated_keys():
+    """Post-RoPE scoring is q . (mean + basis[:, :r] c[:r]), the mean term included: the query heads of one KV
+    head have different q . mean, and the KV head keeps the tokens best for any of them."""
+    model = make_model("llama")
+    art = patchkv.calibrate(model, calibration_ids(), mode="post_rope", rank=16, progress=False)
+    seq = 45
+    with patchkv.patched(model, art) as m:
+        lp = m.model.layers[1].self_attn.patchkv.on(torch.device("cpu"))
+        layer = m(calibration_ids(1, seq, seed=4), use_cache=True).cache.layers[1]
+        coeffs = lp.keys.decode(layer.tensors["latent_keys"])
+        q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
+        cos, sin = lp.rope.at(torch.tensor([[seq]]), like=q)
+        means = lp.keys.basis.mean_scores(q).view(2, 2)
+        assert (means[:, 0] - means[:, 1]).abs().min() > 1e-3  # the term matters within each group
+        for r in (16, 8):
+            scores = modes.PostRoPE().approximate_scores(lp, q, cos, sin, coeffs[..., :r], layer._positions(seq))
+            keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :r], (0, 16 - r)))
+            expected = (q.view(1, 2, 2, 16) @ keys.transpose(-1, -2)).view(1, 4, seq)
+            assert torch.allclose(scores, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("halves", ["one rotation", "two rotations"])
+def test_reconstruct_rope_in_pair_order_is_the_rotation_reordered(halves):
+    """`paired=True` (the complex product when both halves turn alike, else the general arithmetic) returns the
+    same keys with head dims in `pair_order`: a query in that order has the same dot products."""
+    g = torch.Generator().manual_seed(8)
+    coeffs, basis, mean = torch.randn(2, 3, 9, 4, generator=g), torch.randn(3, 16, 4, generator=g), torch.randn(3, 16)
+    angle = torch.rand(2, 1, 9, 8, generator=g) * 6.3
+    other = angle if halves == "one rotation" else torch.rand(2, 1, 9, 8, generator=g) * 6.3
+    cos, sin = torch.cat([angle.cos(), other.cos()], -1), torch.cat([angle.sin(), other.sin()], -1)
+    standard = reference.reconstruct_rope(coeffs, basis, mean, cos, sin)
+    order = reference.pair_order(16)
+    assert order.tolist()[:4] == [0, 8, 1, 9] and sorted(order.tolist()) == list(range(16))
+    for paired in (reference.reconstruct_rope(coeffs, basis, mean, cos, sin, True),
+                   patchkv.kernels.ops.reconstruct_rope(coeffs, basis, mean, cos, sin, True)):
+        assert torch.allclose(paired, standard[..., order], atol=1e-5)
+    q = torch.randn(2, 3, 1, 16, generator=g)
+    assert torch.allclose(q[..., order] @ paired.mT, q @ standard.mT, atol=1e-4)
+
+
 def test_pre_rope_top_k_attends_exactly_over_the_chosen_tokens(pre_rope, monkeypatch):
     """Top-k logits equal dense attention with every middle token the selection left out masked away."""
     model, art = pre_rope
@@ -153,3 +194,42 @@ def test_half_precision_on_cpu_attends_in_float32(mode, options):
     if not options:
         assert (out.float() - reference).abs().max() < 0.05 * reference.abs().max()
     assert torch.isfinite(out).all()
+
+
+# ----- decode steps without augmented features ---------------------------------------------------------
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("options", [{}, dict(sink_tokens=2, window=3), dict(sink_tokens=2, window=3, top_k=6,
+                                                                              top_k_rank=4), dict(bits=40)])
+def test_grouped_decode_equals_the_attention_function_over_augmented_features(mode, attn, options, monkeypatch):
+    """A decode step by `grouped_decode` gives the logits of the model's attention function over the augmented
+    features, left padding (a mask) included; prefill never takes it."""
+    check_grouped_decode("llama", attn, mode, options, monkeypatch)
+
+
+def test_grouped_decode_in_every_family(family, mode, monkeypatch):
+    """Every family (sliding-window layers of Mistral, Qwen2 and Gemma 3 past their window included)."""
+    check_grouped_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3), monkeypatch)
+
+
+def check_grouped_decode(family, attn, mode, options, monkeypatch):
+    model = make_model(family, attn)
+    rank = model.model.layers[0].self_attn.head_dim // 2
+    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False)
+    ids = calibration_ids(2, 30, seed=9)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second row left-padded
+
+    def decode_logits():
+        with patchkv.patched(model, art, **options):
+            cache = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True).cache
+            cache = model(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache, use_cache=True).cache
+            return model(ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+
+    taken = []
+    grouped = patchkv.attention.grouped_decode
+    monkeypatch.setattr(patchkv.attention, "grouped_decode", lambda lp, q, *a: taken.append(q.shape[2]) or grouped(
+        lp, q, *a))
+    fast = decode_logits()
+    assert taken and set(taken) == {1}
+    monkeypatch.setattr(patchkv.attention, "grouped_decode_applies", lambda *a: False)
+    assert torch.allclose(fast, decode_logits(), atol=1e-5)
