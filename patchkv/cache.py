@@ -7,9 +7,12 @@ pre-RoPE mode, rotated in post-RoPE mode):
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
 
-Unused regions are zero-sized, so there is one layout and one code path. The cache also records the true
-position of every token (`positions`, `[batch, seen]`, once for all layers), by which pre-RoPE mode rotates
-reconstructed keys: static position schemes, gaps in `position_ids` and left padding are all exact.
+Unused regions are zero-sized, so there is one layout and one code path. A forward's own tokens are read
+exact, as transformers' `QuantizedCache` does: those it encodes into the middle stay exact until its
+attention is done (`after_attention`); later forwards read the middle from its latents. The cache also
+records the true position of every token (`positions`, `[batch, seen]`, once for all layers), by which
+pre-RoPE mode rotates reconstructed keys: static position schemes, gaps in `position_ids` and left padding
+are all exact.
 
 A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
 and a patched model refuses a cache written under another patch. An unpatched model writing into it
@@ -77,13 +80,17 @@ class LatentLayer(CacheLayerMixin):
         self.tensors: dict[str, torch.Tensor] = {}
         self.cumulative_length = 0
         self.record_past = False
+        # exact keys/values of the current forward's tokens encoded into the middle (the middle's last ones),
+        # held from `append` to `after_attention` and never counted in `nbytes`
+        self.own: dict[str, torch.Tensor] | None = None
         self.patch = None  # the LayerPatch that wrote it: decodes the `keys`/`values` views
         self.device: torch.device | None = None
 
     # ----- writing ----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, patch) -> None:
         """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`; tokens
-        leaving the recent window are encoded into the latent middle."""
+        leaving the recent window are encoded into the latent middle. The new tokens among them also stay
+        exact (`own`) until `after_attention`, so this forward's queries read them exact."""
         codecs = (patch.keys, patch.values)
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
@@ -93,11 +100,16 @@ class LatentLayer(CacheLayerMixin):
             self.device, self.is_initialized, self.patch = keys.device, True, patch
         t = self.tensors
         room = max(0, self.sink_tokens - t["sink_keys"].shape[2])
+        earlier = t["recent_keys"].shape[2]  # window tokens from earlier forwards
+        self.own = None
         for kind, x in (("keys", keys), ("values", values)):
             t[f"sink_{kind}"] = torch.cat([t[f"sink_{kind}"], x[:, :, :room]], dim=2)
             t[f"recent_{kind}"] = torch.cat([t[f"recent_{kind}"], x[:, :, room:]], dim=2)
         leaving = t["recent_keys"].shape[2] - self.window
         if leaving > 0:
+            fresh = leaving - min(leaving, earlier)  # this forward's tokens among those encoded
+            if fresh:
+                self.own = {kind: t[f"recent_{kind}"][:, :, leaving - fresh:leaving] for kind in ("keys", "values")}
             for kind, codec in zip(("keys", "values"), codecs):
                 encoded = codec.encode(t[f"recent_{kind}"][:, :, :leaving])
                 t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
@@ -106,7 +118,9 @@ class LatentLayer(CacheLayerMixin):
         self.cumulative_length += keys.shape[2]
 
     def after_attention(self) -> None:
-        """A sliding layer keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
+        """The forward's attention is done: its own tokens are dropped exact (only their latents stay), and a
+        sliding layer keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
+        self.own = None
         if self.is_sliding and not self.record_past:
             self._keep_last(self.sliding_window - 1)
 
@@ -122,14 +136,30 @@ class LatentLayer(CacheLayerMixin):
 
     def regions(self, query_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """What attention sees after `append`: the region tensors and the true positions of their tokens
-        `[batch, n]`, n = sinks + middle + window (for a sliding layer, the last `window - 1 + query_len`)."""
-        t = dict(self.tensors)
+        `[batch, n]`, n = sinks + middle + window (for a sliding layer, the last `window - 1 + query_len`).
+        This forward's own tokens are read exact: the middle's last tokens, if they are its own, come as exact
+        tokens at the front of the recent region, so the order of positions is that of the stored regions."""
+        t = self._served()
         kept = self.kept
         if self.is_sliding:
-            visible = min(kept, self.sliding_window - 1 + query_len)
-            t["latent_keys"], t["latent_values"] = t["latent_keys"][:, :, -visible:], t["latent_values"][:, :, -visible:]
-            kept = visible
+            kept = min(kept, self.sliding_window - 1 + query_len)
+            middle = max(0, kept - t["recent_keys"].shape[2])  # the recent region holds only the layer's own tokens
+            for kind in ("keys", "values"):
+                t[f"latent_{kind}"] = t[f"latent_{kind}"][:, :, t[f"latent_{kind}"].shape[2] - middle:]
+                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, t[f"recent_{kind}"].shape[2] - (kept - middle):]
         return t, self._positions(kept)
+
+    def _served(self) -> dict[str, torch.Tensor]:
+        """The stored regions, the current forward's own encoded tokens moved exact to the front of the recent
+        region (the same tokens, in the same order)."""
+        t = dict(self.tensors)
+        own = 0 if self.own is None else self.own["keys"].shape[2]
+        if own:
+            for kind in ("keys", "values"):
+                latent, recent = t[f"latent_{kind}"], t[f"recent_{kind}"]
+                t[f"latent_{kind}"] = latent[:, :, :latent.shape[2] - own]
+                t[f"recent_{kind}"] = torch.cat([self.own[kind], recent], dim=2) if recent.shape[2] else self.own[kind]
+        return t
 
     def _positions(self, kept: int) -> torch.Tensor:
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
@@ -157,7 +187,7 @@ class LatentLayer(CacheLayerMixin):
         if not self.is_initialized:
             return None
         codec = getattr(self.patch, kind)
-        t = self.tensors
+        t = self._served()  # during a forward, its own tokens exact, as attention reads them
         middle = codec.basis.reconstruct(codec.decode(t[f"latent_{kind}"])).to(t[f"sink_{kind}"].dtype)
         full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
         if kind == "keys":
@@ -198,13 +228,15 @@ class LatentLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
-        self.tensors, self.cumulative_length, self.is_initialized = {}, 0, False
+        self.tensors, self.cumulative_length, self.is_initialized, self.own = {}, 0, False, None
 
     def activate_past_recording(self) -> None:
         self.record_past = True
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.tensors = {name: fn(t) for name, t in self.tensors.items()}
+        if self.own is not None:
+            self.own = {kind: fn(t) for kind, t in self.own.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.map(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -4,6 +4,11 @@
     patchkv eval --model artifacts/reference-llama --artifact bases/ --tasks patchkv_shakespeare_ppl
     patchkv eval --model ... --artifact pre/ --artifact post/ --sweep --ranks 8,16,32 --out evals/results
 
+`patchkv eval` scores every row with lm-eval through the cache, `--chunk` tokens per forward (default: half the
+methods' exact window, at least 1, so no query reads more tokens exact than a decode step does; 512 for the
+unpatched baseline): a forward reads its own tokens exact, as transformers' QuantizedCache does, so one
+forward per sequence would score a patched model as the unpatched one.
+
 Errors: a bad flag value, bad or incompatible artifact, missing path or unknown task prints one line,
 `patchkv: error: ...`, on stderr and exits with status 2 (usage errors) or 1 (everything else), checked
 before any model is run. Set PATCHKV_DEBUG=1 to get the traceback instead.
@@ -203,8 +208,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         art.check_compatible(model)
         with patched(model, art, methods):  # every check of apply, before the unpatched baseline runs
             pass
-    rows = evaluate(model, tokenizer, artifacts, tasks=tasks, limit=args.limit, batch_size=args.batch_size,
-                    streaming=args.streaming, methods=methods)
+    rows = evaluate(model, tokenizer, artifacts, tasks=tasks, limit=args.limit,
+                    chunk=1 if args.streaming else args.chunk, methods=methods)
     table = format_table(rows)
     print(table)
     if out is not None:
@@ -286,9 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--bits", type=positive_int, help="quantize latents to this many bits per KV head and token (DP)")
     e.add_argument("--top-k", type=positive_int, help="decode over the top-k latent-scored middle tokens")
     e.add_argument("--top-k-rank", type=positive_int, help="components used to score for --top-k")
-    e.add_argument("--streaming", action="store_true",
-                   help="score token by token through the cache (needed for --top-k to have any effect)")
-    e.add_argument("--batch-size", type=positive_int, default=8)
+    scoring = e.add_mutually_exclusive_group()
+    scoring.add_argument("--chunk", type=positive_int, metavar="N",
+                         help="tokens fed per forward through the cache while scoring (default: half the methods' "
+                              "exact window, at least 1; 512 unpatched); a forward reads its own tokens exact, "
+                              "later forwards read them as the cache holds them, so a larger chunk is faster and "
+                              "more optimistic")
+    scoring.add_argument("--streaming", action="store_true",
+                         help="= --chunk 1: every scored token is a decode step (needed for --top-k to act)")
     e.add_argument("--dtype", choices=DTYPES, default="float32")
     e.add_argument("--out", help="directory for the CSV, markdown table and (with --sweep) PNG plot")
     e.add_argument("--name", default="eval", help="file stem for --out")

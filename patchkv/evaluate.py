@@ -46,7 +46,8 @@ def task_configs(names: list[str] | tuple[str, ...], tasks_dir: Path = TASKS_DIR
 def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ...] = DEFAULT_TASKS,
               limit: int | None = None, batch_size: int = 8, lm: Any = None) -> dict[str, dict[str, float]]:
     """Run lm-eval on the model object as it is (patched or not), through `lm` if given (e.g. a
-    `patchkv.streaming.StreamingLM`), else lm-eval's `HFLM`. Returns {task: {metric: value}}."""
+    `patchkv.streaming.StreamingLM`), else lm-eval's `HFLM` (one forward per sequence: a patched model then
+    reads every token exact and scores as the unpatched one). Returns {task: {metric: value}}."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -72,19 +73,18 @@ class EvalRow:
 
 
 def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=DEFAULT_TASKS,
-             limit: int | None = None, batch_size: int = 8, streaming: bool = False,
-             methods: Sequence[Method] = (), bytes_context: int = 1024) -> list[EvalRow]:
+             limit: int | None = None, chunk: int | None = None, methods: Sequence[Method] = (),
+             bytes_context: int = 1024) -> list[EvalRow]:
     """Baseline first, then each artifact applied in turn with `methods` (see `patchkv.apply`); the model is
-    left unpatched. With `streaming`, lm-eval scores through the cache token by token (`StreamingLM`).
+    left unpatched. Every row is scored by lm-eval through the cache (`StreamingLM`), `chunk` tokens per
+    forward (None: `patchkv.streaming.default_chunk`, half the methods' exact window, at least 1; 1: every
+    scored token a decode step): a forward reads its own tokens exact, so one forward per sequence would score
+    a patched model as the unpatched one.
     KV bytes per token are measured on a `bytes_context`-token cache (sinks and window amortised over it)."""
+    from .streaming import StreamingLM
 
     def scores() -> dict[str, float]:
-        lm = None
-        if streaming:
-            from .streaming import StreamingLM
-
-            lm = StreamingLM(model, tokenizer)
-        return _headline(run_tasks(model, tokenizer, tasks, limit, batch_size, lm=lm))
+        return _headline(run_tasks(model, tokenizer, tasks, limit, lm=StreamingLM(model, tokenizer, chunk=chunk)))
 
     first = artifacts[0] if artifacts else None
     full = first.full_kv_bytes_per_token() if first else 0

@@ -45,3 +45,15 @@ def family(request):
 @pytest.fixture(params=["pre_rope", "post_rope"])
 def mode(request):
     return request.param
+
+
+def fed_in_chunks(model, ids: torch.Tensor, chunk: int, **kwargs) -> torch.Tensor:
+    """Logits `[batch, seq, vocab]` of `ids` fed `chunk` tokens per forward through one cache (the model's own
+    kind). A patched model reads each forward's own tokens exact and earlier forwards' from the cache, so this
+    is how a test sees what the cache holds (a single forward would read every token exact)."""
+    cache, logits = None, []
+    for start in range(0, ids.shape[1], chunk):
+        out = model(ids[:, start:start + chunk], cache=cache, use_cache=True, **kwargs)
+        cache = out.cache
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)

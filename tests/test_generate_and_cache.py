@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import calibration_ids, make_model
+from conftest import calibration_ids, fed_in_chunks, make_model
+from transformers import DynamicCache
 
 import patchkv
 
@@ -82,11 +83,28 @@ def test_sliding_window_cache_stays_bounded_with_latents(mode):
     assert layer.tensors["latent_keys"].shape == (2, 1, 11, 2 * 6)  # sliding_window - 1 latent tokens kept
 
 
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_low_rank_pre_rope_equals_an_unpatched_model_with_projected_weights(use_cache):
+class BakedStore(DynamicCache):
+    """A plain cache that stores, for each token, the keys and values `baked` computes from the same hidden state
+    (filled in `pending` by a hook) while a forward attends its own tokens exact, as QuantizedCache does."""
+
+    def __init__(self, pending: dict):
+        super().__init__()
+        self.pending = pending
+
+    def update(self, keys, values, layer_idx, *args, **kwargs):
+        stored_keys, stored_values = super().update(*self.pending.pop(layer_idx), layer_idx, *args, **kwargs)
+        n = keys.shape[2]
+        return torch.cat([stored_keys[:, :, :-n], keys], 2), torch.cat([stored_values[:, :, :-n], values], 2)
+
+
+@pytest.mark.parametrize("chunk", [1, 5])  # decode steps; a chunked prefill
+def test_low_rank_pre_rope_equals_an_unpatched_model_with_projected_weights(chunk):
     """An independent reference: pre-RoPE reconstruction mean + U U^T (x - mean) is affine in the hidden
-    state, so it can be baked into k_proj/v_proj of a plain transformers model. The patched model, with or
-    without a cache, must match that model, not just itself."""
+    state, so it can be baked into k_proj/v_proj of a plain transformers model. The patched model, fed in
+    chunks, must match the plain model whose cache stores the baked model's keys and values of the earlier
+    chunks (each chunk's own tokens exact), not just itself."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     model = make_model("llama", attention_bias=True)
     artifact = patchkv.calibrate(model, calibration_ids(), rank=5, progress=False)
     baked = make_model("llama", attention_bias=True)
@@ -97,9 +115,27 @@ def test_low_rank_pre_rope_equals_an_unpatched_model_with_projected_weights(use_
             mean = comps.mean[layer].reshape(-1).float()
             proj.weight.data = keep @ proj.weight.data
             proj.bias.data = keep @ proj.bias.data + (torch.eye(len(mean)) - keep) @ mean
+    pending = {}
+
+    def bake(attn, args, kwargs):  # the baked layer's keys (rotated) and values for the hidden state attn sees
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        twin = baked.model.layers[attn.layer_idx].self_attn
+        shape = (*hidden.shape[:-1], -1, twin.head_dim)
+        k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (twin.k_proj, twin.v_proj))
+        pending[attn.layer_idx] = (apply_rotary_pos_emb(k, k, cos, sin)[0], v)
+
     x = calibration_ids(2, 16, seed=5)
-    reference = baked(x).logits
+    hooks = [layer.self_attn.register_forward_pre_hook(bake, with_kwargs=True) for layer in model.model.layers]
+    try:
+        cache, logits = BakedStore(pending), []
+        for start in range(0, 16, chunk):
+            logits.append(model(x[:, start:start + chunk], cache=cache, use_cache=True).logits)
+        reference = torch.cat(logits, 1)
+    finally:
+        for hook in hooks:
+            hook.remove()
     with patchkv.patched(model, artifact):
-        out = model(x, use_cache=use_cache).logits
+        out = fed_in_chunks(model, x, chunk)
     assert (out - reference).abs().max() < 1e-5
-    assert (model(x).logits - reference).abs().max() > 1e-3  # and the truncation matters
+    assert (out - model(x).logits).abs().max() > 1e-3  # and the truncation matters

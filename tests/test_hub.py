@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import calibration_ids, make_model
+from conftest import calibration_ids, fed_in_chunks, make_model
 from fake_hub import FakeHub, front_matter
 
 import patchkv
@@ -36,10 +36,11 @@ def test_push_to_hub_uploads_artifact_and_model_card(tmp_path, monkeypatch):
     assert downloaded.metadata()["checksum"] == artifact.metadata()["checksum"]
     assert any(c.startswith("POST /api/models/me/bases/commit/main") for c in hub.calls)
     x = calibration_ids(1, 16, seed=1)
-    with patchkv.patched(model, downloaded):
-        a = model(x).logits
+    with patchkv.patched(model, downloaded):  # in chunks: later forwards read the latents
+        a = fed_in_chunks(model, x, 4)
     with patchkv.patched(model, artifact):
-        assert torch.equal(a, model(x).logits)
+        assert torch.equal(a, fed_in_chunks(model, x, 4))
+    assert not torch.allclose(a, model(x).logits, atol=1e-3)  # the latents were read
 
 
 def test_from_pretrained_reads_local_paths(tmp_path):

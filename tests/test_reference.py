@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import fed_in_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchkv
@@ -30,9 +32,14 @@ def held_out_windows(tokenizer, n=8, seq=256):
     return ids[: n * seq].view(n, seq)
 
 
-def token_perplexity(model, windows):
+def token_perplexity(model, windows, chunk=None):
+    """Token perplexity of `windows`; with `chunk`, fed that many tokens per forward through the cache (a patched
+    model reads a forward's own tokens exact, so the later chunks read the earlier ones from the latents)."""
     with torch.no_grad():
-        return math.exp(model(windows, labels=windows).loss.item())
+        if chunk is None:
+            return math.exp(model(windows, labels=windows).loss.item())
+        logits = fed_in_chunks(model, windows, chunk)
+        return math.exp(F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).item())
 
 
 def test_reference_model_is_trained_and_loads_offline(reference):
@@ -56,10 +63,11 @@ def test_shipped_artifacts_fit_the_reference_model(reference):
     for mode, art in arts.items():
         assert art.mode == mode and "shakespeare" in art.calibration["source"]
         # full rank is lossless; 4x compression costs some perplexity but stays far from broken
+        # (one token per forward: each reads the earlier ones from the latents, as in decoding)
         with patchkv.patched(model, art.with_ranks(rank=model.config.head_dim)):
-            assert token_perplexity(model, windows) == pytest.approx(base, rel=1e-4)
+            assert token_perplexity(model, windows, chunk=1) == pytest.approx(base, rel=1e-4)
         with patchkv.patched(model, art.with_ranks(rank=model.config.head_dim // 4)):
-            assert base < token_perplexity(model, windows) < 2 * base
+            assert base < token_perplexity(model, windows, chunk=1) < 2 * base
     # trained keys are more compressible before rotary embedding than after it
     pre, post = (arts[m].with_ranks(energy=0.9).keys.ranks.float().mean() for m in ("pre_rope", "post_rope"))
     assert pre < post
@@ -77,8 +85,8 @@ def test_eval_cli_short_sweep_through_lm_eval(tmp_path, capsys):
     head_dim = 64
     cli(["eval", "--model", str(REF), "--artifact", str(BASES / "pre_rope.safetensors"),
          "--artifact", str(BASES / "post_rope.safetensors"), "--sweep", "--ranks", f"8,{head_dim}",
-         "--tasks", "patchkv_shakespeare_ppl,patchkv_shakespeare_cloze", "--limit", "6",
-         "--out", str(tmp_path), "--name", "sweep"])
+         "--tasks", "patchkv_shakespeare_ppl,patchkv_shakespeare_cloze", "--limit", "3", "--chunk", "8",
+         "--out", str(tmp_path), "--name", "sweep"])  # 8 tokens per forward: later ones read the latents
     printed = capsys.readouterr().out
     assert "| unpatched |" in printed and "pre_rope rank=8" in printed and "post_rope rank=64" in printed
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
@@ -111,14 +119,28 @@ def test_streaming_lm_scores_through_the_cache(reference):
             logprobs = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)
         return sum(logprobs[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
 
+    def decoded() -> float:  # the context in one forward, then the continuation one token per forward
+        with torch.no_grad():
+            out = model(torch.tensor([ctx]), use_cache=True)
+            total = 0.0
+            for i in range(len(ctx), len(whole)):
+                total += out.logits[0, -1].float().log_softmax(-1)[whole[i]].item()
+                out = model(torch.tensor([[whole[i]]]), cache=out.cache, use_cache=True)
+        return total
+
+    exact = one_forward()
     lm = StreamingLM(model, tokenizer)
-    assert lm.loglikelihood([request], disable_tqdm=True)[0][0] == pytest.approx(one_forward(), abs=1e-3)
+    assert lm.loglikelihood([request], disable_tqdm=True)[0][0] == pytest.approx(exact, abs=1e-3)
     art = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
-    with patchkv.patched(model, art):  # plain latent cache: prefill and decode agree, bytes as promised
+    with patchkv.patched(model, art):  # plain latent cache: decoded tokens read the context from the latents
         lm = StreamingLM(model, tokenizer)
-        assert lm.loglikelihood([request], disable_tqdm=True)[0][0] == pytest.approx(one_forward(), abs=1e-3)
+        streamed = lm.loglikelihood([request], disable_tqdm=True)[0][0]
+        assert streamed == pytest.approx(decoded(), abs=1e-3) and abs(streamed - exact) > 1e-2
+        assert one_forward() == pytest.approx(exact, abs=1e-3)  # a single forward reads its own tokens exact
         assert lm.kv_bytes_per_token == art.kv_bytes_per_token() + 4  # + the int32 true position of each token
+    with patchkv.patched(model, art, sink_tokens=1, window=2):
+        dense = StreamingLM(model, tokenizer).loglikelihood([request], disable_tqdm=True)[0][0]
     with patchkv.patched(model, art, sink_tokens=1, window=2, top_k=4, top_k_rank=4):
-        dense = one_forward()  # a single forward never decodes: top-k does not act
+        assert one_forward() == pytest.approx(exact, abs=1e-3)  # a single forward never decodes: top-k does not act
         sparse = StreamingLM(model, tokenizer).loglikelihood([request], disable_tqdm=True)[0][0]
     assert abs(sparse - dense) > 1e-2

@@ -29,3 +29,19 @@ def test_chunked_scoring_equals_one_forward(chunk):
 def test_chunk_must_be_positive():
     with pytest.raises(ValueError, match="chunk"):
         StreamingLM(make_model("llama"), Tokenizer(), chunk=0)
+
+
+def test_default_chunk_never_reads_more_exact_tokens_than_decoding():
+    """Half the exact window, at least 1 (a forward reads its own tokens exact); large for an unpatched model."""
+    from patchkv.streaming import UNPATCHED_CHUNK, default_chunk
+
+    model = make_model("llama")
+    ids = calibration_ids(1, 30, seed=4)[0].tolist()
+    art = patchkv.calibrate(model, calibration_ids(), rank=4, progress=False)
+    assert default_chunk(model) == UNPATCHED_CHUNK
+    for options, chunk in (({}, 1), (dict(window=1), 1), (dict(sink_tokens=2, window=9), 4)):
+        with patchkv.patched(model, art, **options):
+            assert default_chunk(model) == chunk
+            auto = StreamingLM(model, Tokenizer(), chunk=None).score([2], ids)[0]
+            assert auto == StreamingLM(model, Tokenizer(), chunk=chunk).score([2], ids)[0]
+            assert auto != StreamingLM(model, Tokenizer(), chunk=chunk + 5).score([2], ids)[0]

@@ -28,7 +28,7 @@ def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path):
     assert all(path.startswith(str(site)) for path in where)
     run = subprocess.run([sys.executable, "-m", "patchkv", "eval", "--model", str(ROOT / "artifacts/reference-llama"),
                           "--artifact", str(ROOT / "artifacts/reference-llama-bases/pre_rope.safetensors"),
-                          "--tasks", "patchkv_shakespeare_ppl", "--limit", "1"],
+                          "--tasks", "patchkv_shakespeare_ppl", "--limit", "1", "--chunk", "32"],
                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "unpatched" in run.stdout and "pre_rope" in run.stdout
