@@ -186,11 +186,22 @@ class PreRoPE(Mode):
         chunks = -(-m // SCORE_CHUNK)
         centres = (torch.arange(chunks, device=positions.device) * SCORE_CHUNK + SCORE_CHUNK // 2).clamp_max(m - 1)
         q_rot = rotate(q, cos, sin).to(compute_dtype(q))  # [batch, heads, 1, d]
-        ref_cos, ref_sin = lp.rope.at(positions[:, centres], like=q_rot)  # [batch, chunks, rotary_dim]
         # q . R(p) k = (R(p)^T q) . k, and R(p)^T is the rotation with sin negated (any scaling of the table kept)
-        q_ref = rotate(q_rot.expand(-1, -1, chunks, -1), ref_cos, -ref_sin).float()  # [batch, heads, chunks, d]
-        q_latent = q_ref @ basis.query_basis[..., :r].float()
-        bias = (q_ref * basis.query_mean.float().unsqueeze(1)).sum(-1)
+        lp.rope.at(positions[:, -1:], like=q_rot)  # the table covers every position
+        turn = lp.rope.turn() if lp.patch.adapter.rope_convention == "rotate_half" and \
+            lp.rope.cos.shape[-1] == basis.head_dim else None
+        query_basis, query_mean = basis.query_basis[..., :r], basis.query_mean
+        if turn is not None:  # in pair order each chunk's turn back is one complex product (conjugate rotation)
+            order = kernels.reference.pair_order(basis.head_dim, q.device)
+            back = turn[positions[:, centres].long()].conj().unsqueeze(1)  # [batch, 1, chunks, d / 2]
+            paired = torch.view_as_complex(q_rot[..., order].float().reshape(*q_rot.shape[:3], -1, 2).contiguous())
+            q_ref = torch.view_as_real(paired * back).flatten(-2)  # [batch, heads, chunks, d], pair order
+            query_basis, query_mean = query_basis[:, order], query_mean[:, order]
+        else:
+            ref_cos, ref_sin = lp.rope.at(positions[:, centres], like=q_rot)  # [batch, chunks, rotary_dim]
+            q_ref = rotate(q_rot.expand(-1, -1, chunks, -1), ref_cos, -ref_sin).float()  # [batch, heads, chunks, d]
+        q_latent = q_ref @ query_basis.float()
+        bias = (q_ref * query_mean.float().unsqueeze(1)).sum(-1)
         return kernels.chunked_latent_scores(q_latent, bias, coeffs.float(), basis.query_groups, SCORE_CHUNK)
 
     def cached_keys_as_rotated(self, lp, keys, positions):
