@@ -8,8 +8,11 @@ pre-RoPE mode, rotated in post-RoPE mode):
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
 
 Unused regions are zero-sized, so there is one layout and one code path. A forward's own tokens are read
-exact, as transformers' `QuantizedCache` does: those it encodes into the middle stay exact until its
-attention is done (`after_attention`); later forwards read the middle from its latents. The cache also
+exact, as transformers' `QuantizedCache` does, and so is the window of `window` tokens before them: `append`
+adds the new tokens to the recent region and encodes nothing, attention reads them there, and
+`after_attention` encodes whatever has left the window into the middle. Between forwards a layer holds
+exactly the sinks, the middle's latents and the last `window` tokens; later forwards read the middle from
+its latents. The cache also
 records the true position of every token (`positions`, `[batch, seen]`, once for all layers), by which
 pre-RoPE mode rotates reconstructed keys: static position schemes, gaps in `position_ids` and left padding
 are all exact.
@@ -80,47 +83,37 @@ class LatentLayer(CacheLayerMixin):
         self.tensors: dict[str, torch.Tensor] = {}
         self.cumulative_length = 0
         self.record_past = False
-        # exact keys/values of the current forward's tokens encoded into the middle (the middle's last ones),
-        # held from `append` to `after_attention` and never counted in `nbytes`
-        self.own: dict[str, torch.Tensor] | None = None
         self.patch = None  # the LayerPatch that wrote it: decodes the `keys`/`values` views
         self.device: torch.device | None = None
 
     # ----- writing ----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, patch) -> None:
-        """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`; tokens
-        leaving the recent window are encoded into the latent middle. The new tokens among them also stay
-        exact (`own`) until `after_attention`, so this forward's queries read them exact."""
-        codecs = (patch.keys, patch.values)
+        """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`, exact (the
+        first tokens seen fill the sinks, the others join the recent region until `after_attention`)."""
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
             self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS if not name.startswith("latent")}
-            for name, codec in zip(("latent_keys", "latent_values"), codecs):
+            for name, codec in zip(("latent_keys", "latent_values"), (patch.keys, patch.values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized, self.patch = keys.device, True, patch
         t = self.tensors
         room = max(0, self.sink_tokens - t["sink_keys"].shape[2])
-        earlier = t["recent_keys"].shape[2]  # window tokens from earlier forwards
-        self.own = None
         for kind, x in (("keys", keys), ("values", values)):
             t[f"sink_{kind}"] = torch.cat([t[f"sink_{kind}"], x[:, :, :room]], dim=2)
             t[f"recent_{kind}"] = torch.cat([t[f"recent_{kind}"], x[:, :, room:]], dim=2)
-        leaving = t["recent_keys"].shape[2] - self.window
-        if leaving > 0:
-            fresh = leaving - min(leaving, earlier)  # this forward's tokens among those encoded
-            if fresh:
-                self.own = {kind: t[f"recent_{kind}"][:, :, leaving - fresh:leaving] for kind in ("keys", "values")}
-            for kind, codec in zip(("keys", "values"), codecs):
-                encoded = codec.encode(t[f"recent_{kind}"][:, :, :leaving])
-                t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
-                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:]
         self.track.extend(self.cumulative_length, positions)
         self.cumulative_length += keys.shape[2]
 
     def after_attention(self) -> None:
-        """The forward's attention is done: its own tokens are dropped exact (only their latents stay), and a
-        sliding layer keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
-        self.own = None
+        """The forward's attention is done: the tokens beyond the last `window` are encoded into the middle, and
+        a sliding layer keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
+        t = self.tensors
+        leaving = t["recent_keys"].shape[2] - self.window
+        if leaving > 0:
+            for kind in ("keys", "values"):
+                encoded = getattr(self.patch, kind).encode(t[f"recent_{kind}"][:, :, :leaving])
+                t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
+                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:]
         if self.is_sliding and not self.record_past:
             self._keep_last(self.sliding_window - 1)
 
@@ -136,10 +129,9 @@ class LatentLayer(CacheLayerMixin):
 
     def regions(self, query_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """What attention sees after `append`: the region tensors and the true positions of their tokens
-        `[batch, n]`, n = sinks + middle + window (for a sliding layer, the last `window - 1 + query_len`).
-        This forward's own tokens are read exact: the middle's last tokens, if they are its own, come as exact
-        tokens at the front of the recent region, so the order of positions is that of the stored regions."""
-        t = self._served()
+        `[batch, n]`, n = sinks + middle + recent (the window before this forward and its own tokens; for a
+        sliding layer, the last `window - 1 + query_len`)."""
+        t = dict(self.tensors)
         kept = self.kept
         if self.is_sliding:
             kept = min(kept, self.sliding_window - 1 + query_len)
@@ -148,18 +140,6 @@ class LatentLayer(CacheLayerMixin):
                 t[f"latent_{kind}"] = t[f"latent_{kind}"][:, :, t[f"latent_{kind}"].shape[2] - middle:]
                 t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, t[f"recent_{kind}"].shape[2] - (kept - middle):]
         return t, self._positions(kept)
-
-    def _served(self) -> dict[str, torch.Tensor]:
-        """The stored regions, the current forward's own encoded tokens moved exact to the front of the recent
-        region (the same tokens, in the same order)."""
-        t = dict(self.tensors)
-        own = 0 if self.own is None else self.own["keys"].shape[2]
-        if own:
-            for kind in ("keys", "values"):
-                latent, recent = t[f"latent_{kind}"], t[f"recent_{kind}"]
-                t[f"latent_{kind}"] = latent[:, :, :latent.shape[2] - own]
-                t[f"recent_{kind}"] = torch.cat([self.own[kind], recent], dim=2) if recent.shape[2] else self.own[kind]
-        return t
 
     def _positions(self, kept: int) -> torch.Tensor:
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
@@ -187,7 +167,7 @@ class LatentLayer(CacheLayerMixin):
         if not self.is_initialized:
             return None
         codec = getattr(self.patch, kind)
-        t = self._served()  # during a forward, its own tokens exact, as attention reads them
+        t = self.tensors
         middle = codec.basis.reconstruct(codec.decode(t[f"latent_{kind}"])).to(t[f"sink_{kind}"].dtype)
         full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
         if kind == "keys":
@@ -228,15 +208,13 @@ class LatentLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
-        self.tensors, self.cumulative_length, self.is_initialized, self.own = {}, 0, False, None
+        self.tensors, self.cumulative_length, self.is_initialized = {}, 0, False
 
     def activate_past_recording(self) -> None:
         self.record_past = True
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.tensors = {name: fn(t) for name, t in self.tensors.items()}
-        if self.own is not None:
-            self.own = {kind: fn(t) for kind, t in self.own.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.map(lambda t: t.index_select(0, beam_idx.to(t.device)))

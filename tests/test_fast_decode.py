@@ -154,13 +154,13 @@ def test_pre_rope_top_k_attends_exactly_over_the_chosen_tokens(pre_rope, monkeyp
         cache = model(ids[:, :-1], use_cache=True).cache
         sparse = model(ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
     assert len(picks) == len(model.model.layers) and picks[0].shape == (2, 2, k)
-    middle = ids.shape[1] - sinks - window
+    middle = ids.shape[1] - 1 - sinks - window  # the decode step reads the window before it and its own token exact
     forward = patchkv.attention.latent_attention_forward
 
     def masked(attn, hidden, pe, mask, cache_, **kw):
         if hidden.shape[1] > 1:
             return forward(attn, hidden, pe, mask, cache_, **kw)
-        keep = torch.ones(2, 2, 1, sinks + middle + window, dtype=torch.bool)
+        keep = torch.ones(2, 2, 1, sinks + middle + window + 1, dtype=torch.bool)
         keep[..., sinks:sinks + middle] = False
         keep[..., sinks:sinks + middle].scatter_(3, picks[attn.layer_idx].unsqueeze(2), True)
         return forward(attn, hidden, pe, keep.repeat_interleave(2, dim=1), cache_, **kw)

@@ -47,17 +47,17 @@ def served_prefix(cache: patchkv.LatentCache, n: int) -> DynamicCache:
 @pytest.mark.parametrize("method", list(OPTIONS))
 @pytest.mark.parametrize("step", [1, 6])  # a decode step, a chunk longer than the window
 def test_a_later_forward_reads_earlier_tokens_from_the_latents(family, mode, method, step):
-    """The second forward equals the unpatched model over the earlier tokens as the cache holds them (decoded
-    from their latents after that forward encoded what left the window) and its own tokens exact; it differs
-    from the unpatched model over exact earlier tokens."""
+    """The second forward equals the unpatched model over the earlier tokens as the cache holds them before it
+    (sinks and window exact, the middle decoded from its latents) and its own tokens exact; it differs from the
+    unpatched model over exact earlier tokens."""
     model = make_model(family)
     art = low_rank(model, mode)
     x = calibration_ids(2, 20 + step, seed=32)
     reference = model(x).logits[:, 20:]
     with patchkv.patched(model, art, **OPTIONS[method]):
         first = model(x[:, :20], use_cache=True)
-        second = model(x[:, 20:], cache=first.cache, use_cache=True).logits
         prefix = served_prefix(first.cache, 20)
+        second = model(x[:, 20:], cache=first.cache, use_cache=True).logits
     expected = model(x[:, 20:], cache=prefix, use_cache=True).logits
     assert (second - expected).abs().max() < TOL
     assert (second - reference).abs().max() > 1e-3
@@ -72,16 +72,17 @@ def test_a_chunked_prefill_reads_each_chunk_exact_and_the_earlier_ones_from_the_
     with patchkv.patched(model, art, sink_tokens=1, window=2):
         cache = model(x[:, :8], use_cache=True).cache
         for start in (8, 16):
-            out = model(x[:, start:start + 8], cache=cache, use_cache=True).logits
-            runs.append((start, out, served_prefix(cache, start)))
+            prefix = served_prefix(cache, start)
+            runs.append((start, model(x[:, start:start + 8], cache=cache, use_cache=True).logits, prefix))
     for start, out, prefix in runs:
         expected = model(x[:, start:start + 8], cache=prefix, use_cache=True).logits
         assert (out - expected).abs().max() < TOL
 
 
-def test_stored_bytes_are_the_latents_only_and_views_follow_what_attention_reads(mode, monkeypatch):
-    """During the forward `keys`/`values` show the forward's own tokens exact and `nbytes` counts only what is
-    stored; after it the exact copies are gone, the bytes are the same, and the views decode the latents."""
+def test_tokens_are_encoded_after_attention_and_views_follow_what_attention_reads(mode, monkeypatch):
+    """During the forward its tokens sit exact in the recent region (the views show them exact, as attention
+    reads them); after it every token beyond the window is encoded, the views decode the middle, and the bytes
+    are the sinks, the window and the latents."""
     model = make_model("llama")
     art = low_rank(model, mode)
     x = calibration_ids(2, 30, seed=34)
@@ -90,7 +91,7 @@ def test_stored_bytes_are_the_latents_only_and_views_follow_what_attention_reads
     release = LatentLayer.after_attention
 
     def record(layer):
-        during[len(during)] = (layer.nbytes(), layer.keys, layer.values, layer.own is not None)
+        during[len(during)] = (layer.middle_len, layer.window_len, layer.keys, layer.values)
         release(layer)
 
     monkeypatch.setattr(LatentLayer, "after_attention", record)
@@ -99,9 +100,9 @@ def test_stored_bytes_are_the_latents_only_and_views_follow_what_attention_reads
     tokens, middle = 30, 30 - 2 - 3
     exact_bytes = art.full_kv_bytes_per_token() // art.num_layers  # one layer's exact K and V per token
     for i, layer in enumerate(cache.layers):
-        nbytes, keys, values, held = during[i]
-        assert held and layer.own is None
-        assert layer.nbytes() == nbytes == sum(t.nbytes for t in layer.tensors.values())
+        middle_during, window_during, keys, values = during[i]
+        assert (middle_during, window_during) == (0, tokens - 2)
+        assert layer.nbytes() == sum(t.nbytes for t in layer.tensors.values())
         assert (layer.sink_len, layer.middle_len, layer.window_len) == (2, middle, 3)
         assert torch.allclose(keys, plain.layers[i].keys, atol=TOL)  # what attention read: every token exact
         assert torch.allclose(values, plain.layers[i].values, atol=TOL)
