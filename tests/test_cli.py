@@ -167,7 +167,7 @@ def test_gguf_file_is_passed_to_from_pretrained(tmp_path, capsys, monkeypatch):
 def test_rank_flag_reaches_the_evaluation_and_outputs_are_written(tmp_path, capsys):
     """One real run, kept small: one task, one document."""
     code, out, err = run_main(["eval", "--model", MODEL, "--artifact", PRE, "--tasks", "patchkv_shakespeare_ppl",
-                               "--limit", "1", "--rank", "8", "--out", str(tmp_path / "new" / "dir"),
+                               "--limit", "1", "--rank", "8", "--chunk", "32", "--out", str(tmp_path / "new" / "dir"),
                                "--name", "t"], capsys)
     assert code == 0, err
     assert "pre_rope rank=8" in out and "7.96x" in out  # 6144 / (768 + 4 bytes of position) per token
