@@ -5,9 +5,10 @@
     patchkv eval --model ... --artifact pre/ --artifact post/ --sweep --ranks 8,16,32 --out evals/results
 
 `patchkv eval` scores every row with lm-eval through the cache, `--chunk` tokens per forward (default: half the
-methods' exact window, at least 1, so no query reads more tokens exact than a decode step does; 512 for the
-unpatched baseline): a forward reads its own tokens exact, as transformers' QuantizedCache does, so one
-forward per sequence would score a patched model as the unpatched one.
+methods' exact window, at least 1; 512 for the unpatched baseline): a forward reads its own tokens and the
+window before it exact, as transformers' QuantizedCache does, so one forward per sequence would score a
+patched model as the unpatched one, and a chunk c lets each query read up to c - 1 tokens more exact than a
+decode step does.
 
 Errors: a bad flag value, bad or incompatible artifact, missing path or unknown task prints one line,
 `patchkv: error: ...`, on stderr and exits with status 2 (usage errors) or 1 (everything else), checked
@@ -294,9 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     scoring = e.add_mutually_exclusive_group()
     scoring.add_argument("--chunk", type=positive_int, metavar="N",
                          help="tokens fed per forward through the cache while scoring (default: half the methods' "
-                              "exact window, at least 1; 512 unpatched); a forward reads its own tokens exact, "
-                              "later forwards read them as the cache holds them, so a larger chunk is faster and "
-                              "more optimistic")
+                              "exact window, at least 1; 512 unpatched); a forward reads its own tokens and the "
+                              "window before it exact, later forwards read them as the cache holds them, so a "
+                              "larger chunk is faster and more optimistic")
     scoring.add_argument("--streaming", action="store_true",
                          help="= --chunk 1: every scored token is a decode step (needed for --top-k to act)")
     e.add_argument("--dtype", choices=DTYPES, default="float32")

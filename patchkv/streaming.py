@@ -27,11 +27,12 @@ UNPATCHED_CHUNK = 512
 def default_chunk(model: nn.Module) -> int:
     """Tokens per forward for scoring `model` through its own cache: half its patch's exact window, at least 1.
 
-    A forward's own tokens are exact and those it pushes out of the window are read from their latents, so with
-    a chunk c <= window each query reads between window - c + 1 and window tokens exact: never more than a
-    decode step does, at least half as many. Without a window that is 1; a chunk of 32 there would let each
-    query read up to 31 tokens exact that decoding reads compressed (reference model, post-RoPE rank 16:
-    +0.2% perplexity instead of +23%). An unpatched model gets `UNPATCHED_CHUNK`."""
+    A forward reads its own tokens and the `window` tokens before it exact (`patchkv.cache`), so with a chunk c
+    each query reads between window + 1 tokens exact, as a decode step does, and window + c; half the window
+    keeps that within 1.5 times a decode step's. Without a window that is 1: each token reads itself exact and
+    the rest from the latents, as in decoding; a chunk of 32 there would let each query read up to 31 tokens
+    exact that decoding reads compressed (reference model, post-RoPE rank 16: +0.2% token perplexity instead
+    of +23%). An unpatched model gets `UNPATCHED_CHUNK`."""
     patch = getattr(model, "patchkv", None)
     if patch is None:
         return UNPATCHED_CHUNK
@@ -44,7 +45,8 @@ class StreamingLM(LM):
     cache_factory: makes the empty cache for each request (default: none, so the model makes its own: a
         `LatentCache` when patched, a `DynamicCache` otherwise).
     chunk: tokens fed per forward while scoring (1: every scored token is a decode step). A larger chunk is
-        chunked prefill: each token reads the earlier chunks as the cache holds them and its own chunk exact;
+        chunked prefill: each token reads its own chunk and the window before it exact, the earlier tokens as
+        the cache holds them;
         many times faster on long contexts. None: `default_chunk(model)` at scoring time (which assumes the
         model's own cache, not a `cache_factory`'s).
     """

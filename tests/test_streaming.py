@@ -31,8 +31,9 @@ def test_chunk_must_be_positive():
         StreamingLM(make_model("llama"), Tokenizer(), chunk=0)
 
 
-def test_default_chunk_never_reads_more_exact_tokens_than_decoding():
-    """Half the exact window, at least 1 (a forward reads its own tokens exact); large for an unpatched model."""
+def test_default_chunk_is_half_the_exact_window():
+    """Half the exact window, at least 1 (a forward reads its own tokens and the window before it exact); large
+    for an unpatched model."""
     from patchkv.streaming import UNPATCHED_CHUNK, default_chunk
 
     model = make_model("llama")
