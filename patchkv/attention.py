@@ -4,8 +4,8 @@ It mirrors `LlamaAttention.forward` in `transformers` with everything architectu
 adapter, and these changes:
 
 1. q, k, v come out of the adapter un-rotated; the mode puts them in cache space (`patchkv.modes`);
-2. the layer of the `LatentCache` appends the new tokens (sinks and window exact, the middle encoded by
-   the plan's codec) and records their true positions;
+2. the layer of the `LatentCache` appends the new tokens exact (sinks, then the recent region) and records
+   their true positions; after attention it encodes what has left the window with the plan's codec;
 3. if the plan has a selector and this is a decode step, each KV head keeps its best-scoring latent tokens;
 4. the model's own attention function runs on what the mode prepares: keys whose dot products with the
    queries are the true scores, and values augmented as `[exact v | latent c | 1]`, in the mode's

@@ -113,7 +113,7 @@ class LatentLayer(CacheLayerMixin):
             for kind in ("keys", "values"):
                 encoded = getattr(self.patch, kind).encode(t[f"recent_{kind}"][:, :, :leaving])
                 t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
-                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:]
+                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
         if self.is_sliding and not self.record_past:
             self._keep_last(self.sliding_window - 1)
 
