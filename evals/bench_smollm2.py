@@ -6,12 +6,13 @@ QuantizedCache in one run (committed command; results in evals/results/smollm2_a
 
 Perplexity: lm-eval's rolling log-likelihood on the `patchkv_{prose,shakespeare,milton}_ppl_4k` tasks (each
 document one 4096-token window), scored through the cache by `patchkv.streaming.StreamingLM` in chunks of
-`--chunk` tokens: every token sees the earlier chunks as the cache holds them, so decode-time methods
-(QuantizedCache, which attends in full precision within a forward) show their real cost. Scores are token
+`--chunk` tokens: every token sees the earlier chunks as the cache holds them and its own chunk exact, as a
+decode step would (QuantizedCache too attends in full precision within a forward). Scores are token
 perplexities, exp(-log-likelihood / tokens). RULER: lm-eval's own `ruler` tasks (synthetic, built offline
-from the tokenizer) through lm-eval's HFLM, which generates with the patched model (a LatentCache) or with
-`cache_implementation="quantized"`. KV bytes per token are measured on the caches used (everything: codes,
-sinks, window, positions, quanto's scales and residual), and compression is against the bf16 cache.
+from the tokenizer) through lm-eval's HFLM; each prompt is prefilled `--chunk` tokens per forward into the
+cache under test (LatentCache, or QuantizedCache), then `generate()` continues from it, so the question reads
+the compressed haystack. KV bytes per token are measured on the caches used (everything: codes, sinks,
+window, positions, quanto's scales and residual), and compression is against the bf16 cache.
 """
 
 from __future__ import annotations
@@ -109,25 +110,48 @@ def token_ppl(model, tokenizer, tasks: list[str], docs: int, chunk: int, cache) 
     return out, lm.kv_bytes_per_token
 
 
-def ruler(model, tokenizer, subtasks: list[str], lengths: list[int], samples: int, cache_config) -> dict:
-    """{(subtask, length): score in [0, 100]} from lm-eval's ruler tasks through HFLM."""
-    from lm_eval import simple_evaluate
+def ruler_tasks(subtasks: list[str], lengths: list[int]) -> dict[int, dict]:
+    """{length: lm-eval's ruler tasks at that length}, built once (the synthetic haystacks take minutes) and
+    reused for every config: one task set per length, since lm-eval's `limit` takes a task's first samples
+    and those are all of its first length. Seeded: some (ruler_vt) draw from the unseeded global generators."""
+    import random
+
+    import numpy as np
+    from lm_eval.tasks import TaskManager
+
+    random.seed(0)
+    np.random.seed(0)
+    return {n: TaskManager(metadata={"max_seq_lengths": [n], "tokenizer": str(SMOLLM2)}).load(subtasks)
+            for n in lengths}
+
+
+def ruler(model, tokenizer, tasks: dict[int, dict], samples: int, chunk: int, cache) -> dict:
+    """{(subtask, length): score in [0, 100]} from lm-eval's ruler `tasks` (`ruler_tasks`) through HFLM, the
+    first `samples` of each length. The prompt is prefilled `chunk` tokens per forward into the cache (a
+    LatentCache when patched, `cache(model)` for QuantizedCache, else a DynamicCache), so the question at its
+    end reads the haystack as the cache holds it; then `generate()` continues from that cache."""
+    from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
+    from transformers import DynamicCache
 
     class Generator(HFLM):
         def _model_generate(self, context, max_length, stop, **kwargs):
-            if cache_config is not None:
-                kwargs |= {"cache_implementation": "quantized", "cache_config": dict(cache_config)}
-            return super()._model_generate(context, max_length, stop, **kwargs)
+            past = cache(model) if cache else patchkv.LatentCache(model) if patchkv.is_patched(model) \
+                else DynamicCache()
+            with torch.no_grad():
+                for start in range(0, context.shape[1] - 1, chunk):
+                    model(input_ids=context[:, start:min(start + chunk, context.shape[1] - 1)], cache=past,
+                          use_cache=True)
+            return super()._model_generate(context, max_length, stop, cache=past, **kwargs)
 
-    lm = Generator(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=max(lengths) + 256)
-    res = simple_evaluate(model=lm, tasks=subtasks, limit=samples, log_samples=False, bootstrap_iters=0,
-                          metadata={"max_seq_lengths": lengths, "tokenizer": str(SMOLLM2)})
+    lm = Generator(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=max(tasks) + 256)
     out = {}
-    for task, metrics in res["results"].items():
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and key.split(",")[0].isdigit() and value >= 0:  # -1: length not run
-                out[(task, int(key.split(",")[0]))] = 100 * value
+    for length, task_dict in tasks.items():
+        res = evaluate(lm=lm, task_dict=task_dict, limit=samples, bootstrap_iters=0)
+        for task, metrics in res["results"].items():
+            value = metrics.get(f"{length},none")
+            if isinstance(value, (int, float)) and value >= 0:  # -1: length not run
+                out[(task, length)] = 100 * value
     return out
 
 
@@ -160,7 +184,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=4, help="4096-token documents per perplexity task")
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=64, help="tokens per forward, perplexity and RULER prefill")
     ap.add_argument("--ruler", default="niah_single_1,niah_multikey_2,vt,cwe,fwe",
                     help="ruler subtasks that build offline ('' for none); the essay haystacks need the web")
     ap.add_argument("--ruler-lengths", default="1024,2048,4096")
@@ -169,12 +193,23 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "evals" / "results"))
     ap.add_argument("--name", default="smollm2_accuracy")
     ap.add_argument("--bases", default=str(BASES))
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--combine", nargs="+", metavar="CSV",
+                    help="merge the CSVs of runs split by --only (each with the unpatched config) into --name")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.combine:
+        rows = [r for path in args.combine for r in csv.DictReader(open(path))]
+        rows = [r for i, r in enumerate(rows) if r["method"] != "unpatched" or
+                (r["task"], r["context"]) not in {(q["task"], q["context"]) for q in rows[:i] if q["method"] == "unpatched"}]
+        write_rows(rows, out / f"{args.name}.csv")
+        args.plot_only = True
     if args.plot_only:
         plot(list(csv.DictReader(open(out / f"{args.name}.csv"))), out / f"{args.name}.png")
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
@@ -183,9 +218,10 @@ def main() -> None:
     chosen = methods(pre, post)
     if args.only:
         chosen = [chosen[int(i)] for i in args.only.split(",")]
-    subtasks = [f"ruler_{t}" if not t.startswith("ruler") else t for t in args.ruler.split(",") if t]
-    subtasks = [t.removeprefix("ruler_") for t in subtasks]
+    # lm-eval's names: niah_* as they are, the others prefixed (ruler_vt, ruler_cwe, ruler_fwe)
+    subtasks = [t if t.startswith(("niah", "ruler_")) else f"ruler_{t}" for t in args.ruler.split(",") if t]
     lengths = [int(n) for n in args.ruler_lengths.split(",")]
+    tasks = ruler_tasks(subtasks, lengths) if subtasks else {}
     rows, base, measured = [], {}, {}
     for name, spec in chosen:
         start = time.time()
@@ -197,15 +233,12 @@ def main() -> None:
             name = f"{name} ({' + '.join(m.spec() for m in chosen_methods)})"
         with patchkv.patched(model, artifact, chosen_methods) if artifact else contextlib.nullcontext():
             scores, per_token = token_ppl(model, tokenizer, list(PPL_TASKS.values()), args.docs, args.chunk, cache)
-            ruler_scores = ruler(model, tokenizer, subtasks, lengths, args.ruler_samples,
-                                 None if cache is None else {"backend": "quanto", "nbits": int(name.split("int")[1][0]),
-                                                             "q_group_size": 64, "residual_length": 128}) \
-                if subtasks else {}
+            ruler_scores = ruler(model, tokenizer, tasks, args.ruler_samples, args.chunk, cache) if subtasks else {}
         if name == "unpatched":
             per_token = BF16_BYTES + 0.0  # the DynamicCache in bf16
         measured[name] = per_token
         results = {k: v for k, v in zip(PPL_TASKS, scores.values())}
-        results |= {(f"ruler_{t}", n): v for (t, n), v in ruler_scores.items()}
+        results |= {("ruler_" + t.removeprefix("ruler_"), n): v for (t, n), v in ruler_scores.items()}
         for key, score in results.items():
             task, context = key if isinstance(key, tuple) else (key, CONTEXT)
             if name == "unpatched":
@@ -215,12 +248,16 @@ def main() -> None:
                          "score": round(score, 4), "unpatched_score": round(base.get((task, context), float("nan")), 4)})
         print(json.dumps({"method": name, "bytes": round(per_token, 1), "seconds": round(time.time() - start),
                           **{str(k): round(v, 3) for k, v in results.items()}}), flush=True)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / f"{args.name}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(rows, out / f"{args.name}.csv")
     plot(rows, out / f"{args.name}.png")
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":

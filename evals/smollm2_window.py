@@ -1,7 +1,7 @@
 """Quick accuracy check on SmolLM2: token perplexity of one 1024-token prose window, fed `--chunk` tokens per
 forward through the cache, unpatched vs DP codes (4 sinks, 32-token window) per-head and global pools.
 
-    python evals/smollm2_window.py --chunk 32        # the README's one-window figures
+    python evals/smollm2_window.py --chunk 32        # prints each config's perplexity and its change
 """
 
 from __future__ import annotations

@@ -52,22 +52,21 @@ def test_shipped_bases_on_one_perplexity_window(smollm2):
     assert pre.has_effect_weights
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):  # 4x
         compressed = window_ppl(model, ids)
-    assert base < compressed < 1.06 * base  # measured about +2.0% (README: short of the 1% target)
+    assert base < compressed < 1.06 * base  # 4x; the 4k benchmark measures +0.8% on prose (README)
 
 
 def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+    """RULER through the benchmark's own runner: each prompt prefilled 64 tokens per forward into the cache,
+    so the question reads the compressed haystack, then generate() continues from that cache."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("bench_smollm2", ROOT / "evals" / "bench_smollm2.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     model, tokenizer = smollm2
-
-    def score() -> float:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=1280)
-        out = simple_evaluate(model=lm, tasks=["niah_single_1"], limit=3, log_samples=False, bootstrap_iters=0,
-                              metadata={"max_seq_lengths": [1024], "tokenizer": str(SMOLLM2)})
-        return out["results"]["niah_single_1"]["1024,none"]
-
-    assert score() >= 2 / 3  # unpatched SmolLM2 finds the needle
+    tasks = bench.ruler_tasks(["niah_single_1"], [1024])
+    key = ("niah_single_1", 1024)
+    assert bench.ruler(model, tokenizer, tasks, 3, 64, None)[key] >= 200 / 3  # unpatched SmolLM2 finds the needle
     pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):
-        assert score() >= 2 / 3
+        assert bench.ruler(model, tokenizer, tasks, 3, 64, None)[key] >= 200 / 3
