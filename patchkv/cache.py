@@ -135,10 +135,9 @@ class LatentLayer(CacheLayerMixin):
         kept = self.kept
         if self.is_sliding:
             kept = min(kept, self.sliding_window - 1 + query_len)
-            middle = max(0, kept - t["recent_keys"].shape[2])  # the recent region holds only the layer's own tokens
-            for kind in ("keys", "values"):
-                t[f"latent_{kind}"] = t[f"latent_{kind}"][:, :, t[f"latent_{kind}"].shape[2] - middle:]
-                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, t[f"recent_{kind}"].shape[2] - (kept - middle):]
+            middle = kept - t["recent_keys"].shape[2]  # the recent region holds this forward's tokens, all visible
+            for name in ("latent_keys", "latent_values"):
+                t[name] = t[name][:, :, t[name].shape[2] - middle:]
         return t, self._positions(kept)
 
     def _positions(self, kept: int) -> torch.Tensor:

@@ -46,8 +46,7 @@ class StreamingLM(LM):
         `LatentCache` when patched, a `DynamicCache` otherwise).
     chunk: tokens fed per forward while scoring (1: every scored token is a decode step). A larger chunk is
         chunked prefill: each token reads its own chunk and the window before it exact, the earlier tokens as
-        the cache holds them;
-        many times faster on long contexts. None: `default_chunk(model)` at scoring time (which assumes the
+        the cache holds them; many times faster on long contexts. None: `default_chunk(model)` at scoring time (which assumes the
         model's own cache, not a `cache_factory`'s).
     """
 
