@@ -14,12 +14,13 @@ from .errors import (AlreadyPatchedError, ArtifactError, IncompatibleArtifactErr
                      UnsupportedModelError)
 from .methods import METHODS, LowRank, Quantized, SinksWindow, TopK, parse_method
 from .patching import apply, is_patched, patched, remove
+from .steps import fit_step_scales
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION", "METHODS", "SUPPORTED_MODEL_TYPES", "AlreadyPatchedError", "Artifact", "ArtifactError",
     "IncompatibleArtifactError", "LatentCache", "LatentLayer", "LowRank", "PatchKVError", "Quantized",
-    "SinksWindow", "TopK", "UnsupportedModelError", "apply", "calibrate", "is_patched", "parse_method", "patched",
-    "remove",
+    "SinksWindow", "TopK", "UnsupportedModelError", "apply", "calibrate", "fit_step_scales", "is_patched",
+    "parse_method", "patched", "remove",
 ]

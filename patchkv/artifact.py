@@ -1,7 +1,7 @@
 """The patchkv artifact: calibrated PCA bases for one model, as safetensors plus JSON metadata.
 
-Format, versions 1 and 2
-========================
+Format, versions 1 to 3
+=======================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
 `H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
 `values`:
@@ -19,8 +19,16 @@ A version 2 file holds those eight and exactly two more:
                                                loss gradient w.r.t. the cached vector (`patchkv.fisher`)
 
 Effect weights put the components of every layer, head, key and value in one unit, so a global bit pool
-can be allocated over them (`Quantized(pool="global")`). An artifact is written at the lowest version that
-holds it: 2 with effect weights, 1 without, so files without weights stay readable by older readers.
+can be allocated over them (`Quantized(pool="global")`).
+
+A version 3 file holds the eight, optionally the two effect weights, and exactly two more:
+
+    {kind}.step_scales   float32 [L, H]        > 0: the quantizer steps of head [l, h] (and so its clipping
+                                               range) are this multiple of the Gaussian-matched ones
+                                               (`patchkv.steps.fit_step_scales`; only `Quantized` reads them)
+
+An artifact is written at the lowest version that holds it: 3 with step scales, else 2 with effect weights,
+else 1, so files without the newer tensors stay readable by older readers.
 
 Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
 `post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
@@ -28,7 +36,7 @@ without recalibrating; only `ranks` components per head are used at inference.
 
 The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
-    format_version  1 or 2 (see above)
+    format_version  1, 2 or 3 (see above)
     mode            "pre_rope" | "post_rope"
     model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
@@ -50,20 +58,21 @@ head) unless all of the following hold, in this order:
    reproducible, so the hash of an artifact is stable.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1 or 2;
+3. `format_version` is the integer 1, 2 or 3;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
 5. metadata types: `mode` one of the two strings; `model` an object whose `model_type`, `architecture`,
    `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
    `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16, bfloat16, float64;
    `calibration` an object;
-6. exactly the eight tensors (version 1) or ten (version 2), float32 and (ranks) int32, of the shapes
-   above, agreeing with `model`;
+6. exactly the eight tensors (version 1), ten (version 2) or ten or twelve (version 3), float32 and
+   (ranks) int32, of the shapes above, agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
    max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
    negative value or an increase no larger than 1e-6 x the head's largest eigenvalue is accepted as
    round-off (negatives that small are clamped to 0 in memory; the file is not changed); effect weights,
-   where present, >= 0 and given for keys and values both.
+   where present, >= 0 and given for keys and values both; step scales, where present, > 0 and given for
+   keys and values both.
 
 In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
 file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
@@ -92,9 +101,9 @@ from .pca import select_ranks
 from .allocation import allocate_to_bytes
 from .quantize import MAX_BITS, allocate_bits
 
-#: the newest format this version reads and writes (files without effect weights are written as version 1)
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: the newest format this version reads and writes (each file is written at the lowest version that holds it)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 POOLS = ("head", "global")
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
@@ -106,6 +115,7 @@ MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
 META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
 TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
+STEP_SCALES = "step_scales"
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
 ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
@@ -115,14 +125,15 @@ _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 
 @dataclass
 class Components:
-    """PCA of keys or of values, all layers stacked, and optionally the components' effect weights. Shapes as
-    in the format spec above."""
+    """PCA of keys or of values, all layers stacked, and optionally the components' effect weights and the heads'
+    quantizer step scales. Shapes as in the format spec above."""
 
     mean: torch.Tensor
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
     ranks: torch.Tensor
     weights: torch.Tensor | None = None
+    step_scales: torch.Tensor | None = None
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         out = {
@@ -133,6 +144,8 @@ class Components:
         }
         if self.weights is not None:
             out[f"{kind}.{WEIGHTS}"] = self.weights.float().contiguous()
+        if self.step_scales is not None:
+            out[f"{kind}.{STEP_SCALES}"] = self.step_scales.float().contiguous()
         return out
 
     def costs(self) -> torch.Tensor:
@@ -203,9 +216,13 @@ class Artifact:
         return self.keys.weights is not None
 
     @property
+    def has_step_scales(self) -> bool:
+        return self.keys.step_scales is not None
+
+    @property
     def format_version(self) -> int:
-        """The version this artifact is written at: 2 with effect weights, 1 without."""
-        return 2 if self.has_effect_weights else 1
+        """The version this artifact is written at: 3 with step scales, else 2 with effect weights, else 1."""
+        return 3 if self.has_step_scales else 2 if self.has_effect_weights else 1
 
     def bit_allocation(self, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
         """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and token
@@ -359,7 +376,8 @@ class Artifact:
             _check_model_fields(meta["model"])
             _check_tensor_set(tensors, meta["format_version"])
             parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES),
-                                      weights=tensors.get(f"{kind}.{WEIGHTS}")) for kind in KINDS}
+                                      weights=tensors.get(f"{kind}.{WEIGHTS}"),
+                                      step_scales=tensors.get(f"{kind}.{STEP_SCALES}")) for kind in KINDS}
             return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"], **parts)
         except InvalidArtifactError as e:
             raise InvalidArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
@@ -391,9 +409,11 @@ class Artifact:
         layers, heads, dim = mean.shape
         for kind in KINDS:
             _check_components(kind, getattr(self, kind), layers, heads, dim)
-        if (self.keys.weights is None) != (self.values.weights is None):
-            raise InvalidArtifactError("effect weights must be given for keys and values both, or for neither; "
-                                       f"found them for {'keys' if self.values.weights is None else 'values'} only.")
+        for field, what in ((WEIGHTS, "effect weights"), (STEP_SCALES, "step scales")):
+            given = [kind for kind in KINDS if getattr(getattr(self, kind), field) is not None]
+            if len(given) == 1:
+                raise InvalidArtifactError(f"{what} must be given for keys and values both, or for neither; "
+                                           f"found them for {given[0]} only.")
         found = {"num_hidden_layers": layers, "num_key_value_heads": heads, "head_dim": dim}
         diffs = [f"{k}={self.model[k]} (tensors have {v})" for k, v in found.items() if self.model[k] != v]
         if diffs:
@@ -487,8 +507,10 @@ def _check_model_fields(model: dict[str, Any]) -> None:
 
 
 def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int) -> None:
-    """Step 6: exactly the eight (version 1) or ten (version 2) tensors, float32 / int32 as stored in the file."""
-    stored = TENSOR_NAMES + ((WEIGHTS,) if version == 2 else ())
+    """Step 6: exactly the eight (version 1), ten (version 2) or ten or twelve (version 3: step scales, with or
+    without effect weights) tensors, float32 / int32 as stored in the file."""
+    with_weights = version == 2 or (version == 3 and any(name.endswith(f".{WEIGHTS}") for name in tensors))
+    stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if version == 3 else ())
     names = {f"{kind}.{n}" for kind in KINDS for n in stored}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
@@ -521,6 +543,8 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
                 "eigenvectors": (layers, heads, dim, dim), "ranks": (layers, heads)}
     if c.weights is not None:
         expected[WEIGHTS] = (layers, heads, dim)
+    if c.step_scales is not None:
+        expected[STEP_SCALES] = (layers, heads)
     for name, shape in expected.items():
         t = getattr(c, name)
         if not isinstance(t, torch.Tensor):
@@ -539,6 +563,9 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
     if c.weights is not None and (c.weights < 0).any():
         bad = (c.weights < 0).any(-1)
         raise _where(kind, WEIGHTS, bad, f"effect weights must be >= 0, found {c.weights[c.weights < 0].min().item():.3g}")
+    if c.step_scales is not None and (c.step_scales <= 0).any():
+        raise _where(kind, STEP_SCALES, c.step_scales <= 0,
+                     f"step scales must be > 0, found {c.step_scales[c.step_scales <= 0].min().item():.3g}")
     ev = c.eigenvalues.double()
     tol = EIGENVALUE_RTOL * ev.abs().amax(-1)  # [layers, heads]
     negative = (ev < -tol.unsqueeze(-1)).any(-1)

@@ -228,7 +228,8 @@ def cmd_info(args: argparse.Namespace) -> None:
     art = Artifact.from_pretrained(args.artifact, sha256=args.sha256)
     print(art)
     print(f"format version {art.format_version}; effect weights: "
-          f"{'yes (quantized:pool=global available)' if art.has_effect_weights else 'no'}")
+          f"{'yes (quantized:pool=global available)' if art.has_effect_weights else 'no'}; step scales: "
+          f"{'yes' if art.has_step_scales else 'no'}")
     local = Path(args.artifact).expanduser()
     if local.exists():
         from .artifact import FILENAME, file_sha256

@@ -1,6 +1,7 @@
 """`Quantized`: transform coding. Bits are allocated over the PCA components, each component is quantized by
 a uniform quantizer matched to a Gaussian of its variance, and codes are packed at a fixed rate (no per-token
-scales), so the cache holds a fixed number of bytes per token.
+scales), so the cache holds a fixed number of bytes per token. An artifact with step scales
+(`patchkv.steps.fit_step_scales`) widens or narrows each head's quantizer range by its fitted factor.
 
 Two allocations (`pool`):
 - "head": every KV head's keys and values get exactly `bits` bits per token, by dynamic programming on the
@@ -26,10 +27,14 @@ from .base import CodecMethod, check_int
 class QuantizedCodec(Codec):
     """Fixed-rate codes `uint8 [batch, 1, seq, bytes]` of the coefficients on `basis`."""
 
-    def __init__(self, basis: LatentBasis, bits: torch.Tensor, eigenvalues: torch.Tensor):
-        """bits `[kv_heads, head_dim]` per component; eigenvalues `[kv_heads, head_dim]` set the step sizes."""
+    def __init__(self, basis: LatentBasis, bits: torch.Tensor, eigenvalues: torch.Tensor,
+                 step_scales: torch.Tensor | None = None):
+        """bits `[kv_heads, head_dim]` per component; eigenvalues `[kv_heads, head_dim]` set the step sizes, each
+        head's multiplied by `step_scales` `[kv_heads]` where given (the artifact's, `patchkv.steps`)."""
         self.basis = basis
         std = eigenvalues[:, : basis.max_rank].double().clamp_min(0).sqrt()
+        if step_scales is not None:
+            std = std * step_scales.double().unsqueeze(1)
         self.quantizer = CoefficientQuantizer(bits[:, : basis.max_rank] * basis.keep, std)
         self.width, self.stored_dtype = self.quantizer.bytes_per_token, torch.uint8
 
@@ -75,6 +80,7 @@ class Quantized(CodecMethod):
             for c, bits in ((artifact.keys, key_bits), (artifact.values, value_bits)):
                 ranks = [int((row > 0).nonzero().max()) + 1 if row.any() else 1 for row in bits]
                 basis = LatentBasis(c.mean[i], c.eigenvectors[i], ranks, groups, dtype)
-                pair.append(QuantizedCodec(basis, bits, c.eigenvalues[i]))
+                pair.append(QuantizedCodec(basis, bits, c.eigenvalues[i],
+                                           None if c.step_scales is None else c.step_scales[i]))
             out.append(tuple(pair))
         return out
