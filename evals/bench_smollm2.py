@@ -3,6 +3,7 @@ QuantizedCache in one run (committed command; results in evals/results/smollm2_a
 
     python evals/bench_smollm2.py --docs 4 --ruler-samples 20 --out evals/results
     python evals/bench_smollm2.py --plot-only --out evals/results      # the PNG, from that CSV
+    python evals/bench_smollm2.py --table --out evals/results          # the README's table, from that CSV
 
 Perplexity: lm-eval's rolling log-likelihood on the `patchkv_{prose,shakespeare,milton}_ppl_4k` tasks (each
 document one 4096-token window), scored through the cache by `patchkv.streaming.StreamingLM` in chunks of
@@ -66,8 +67,8 @@ def methods(pre: patchkv.Artifact, post: patchkv.Artifact) -> list[tuple[str, di
     """(name, spec): spec has `artifact` and `methods` (or `methods_for(target bytes)` with `bytes_of`, the
     config whose measured bytes it matches, or `ratio`), or a `cache` factory for QuantizedCache."""
 
-    def quanto(nbits: int):
-        return lambda model: QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64,
+    def quantized_cache(backend: str, nbits: int):
+        return lambda model: QuantizedCache(backend=backend, config=model.config, nbits=nbits, q_group_size=64,
                                             residual_length=128)
 
     sw = patchkv.SinksWindow(*EXACT)
@@ -76,7 +77,8 @@ def methods(pre: patchkv.Artifact, post: patchkv.Artifact) -> list[tuple[str, di
         return lambda target: [sw, patchkv.Quantized(bits_for(artifact, target, pool), pool=pool), *extra]
 
     quanto4, quanto2 = "QuantizedCache quanto int4 g64 residual 128", "QuantizedCache quanto int2 g64 residual 128"
-    out = [("unpatched", {}), (quanto4, {"cache": quanto(4)}), (quanto2, {"cache": quanto(2)})]
+    out = [("unpatched", {}), (quanto4, {"cache": quantized_cache("quanto", 4)}),
+           (quanto2, {"cache": quantized_cache("quanto", 2)})]
     for label, match in (("quanto int4", quanto4), ("quanto int2", quanto2)):
         out.append((f"quantized global pre-RoPE @ {label} bytes", {"artifact": pre, "bytes_of": match,
                                                                    "methods_for": coded(pre, "global")}))
@@ -90,6 +92,7 @@ def methods(pre: patchkv.Artifact, post: patchkv.Artifact) -> list[tuple[str, di
             pre, "global", [patchkv.TopK(256, 16)])}),
         ("lowrank 16 pre-RoPE", {"artifact": pre.with_ranks(rank=16), "methods": [sw, patchkv.LowRank(rank=16)]}),
     ]
+    out += [(f"QuantizedCache hqq int{n} g64 residual 128", {"cache": quantized_cache("hqq", n)}) for n in (4, 2)]
     return out
 
 
@@ -195,10 +198,14 @@ def main() -> None:
     ap.add_argument("--bases", default=str(BASES))
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--table", action="store_true", help="print the CSV as the README's markdown table")
     ap.add_argument("--combine", nargs="+", metavar="CSV",
                     help="merge the CSVs of runs split by --only (each with the unpatched config) into --name")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.table:
+        print(table(list(csv.DictReader(open(out / f"{args.name}.csv")))))
+        return
     if args.combine:
         rows = [r for path in args.combine for r in csv.DictReader(open(path))]
         rows = [r for i, r in enumerate(rows) if r["method"] != "unpatched" or
@@ -250,6 +257,32 @@ def main() -> None:
                           **{str(k): round(v, 3) for k, v in results.items()}}), flush=True)
         write_rows(rows, out / f"{args.name}.csv")
     plot(rows, out / f"{args.name}.png")
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per method (name without its spec), bytes, compression, each perplexity with its
+    change against unpatched, each RULER task and length."""
+    ppl = [(task, str(CONTEXT)) for task in PPL_TASKS]
+    ruler_keys = sorted({(r["task"], r["context"]) for r in rows if r["task"].startswith("ruler")},
+                        key=lambda k: (k[0], int(k[1])))
+    head = ["method", "KV bytes/token", "vs bf16", "prose ppl", "Shakespeare ppl", "Milton ppl"] + [
+        f"{task.removeprefix('ruler_')} {int(n) // 1024}k" for task, n in ruler_keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        got = {(r["task"], r["context"]): r for r in rows if r["method"] == method}
+        first = next(iter(got.values()))
+        cells = [method.split(" (")[0], f"{float(first['kv_bytes_per_token']):.0f}",
+                 f"{float(first['compression_vs_bf16']):.2f}x"]
+        for key in ppl + ruler_keys:
+            r = got.get(key)
+            if r is None:
+                cells.append("—")
+                continue
+            score, base = float(r["score"]), float(r["unpatched_score"])
+            change = "" if method == "unpatched" or key in ruler_keys else f" ({100 * (score / base - 1):+.1f}%)"
+            cells.append(f"{score:.0f}" if key in ruler_keys else f"{score:.2f}{change}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def write_rows(rows: list[dict], path: Path) -> None:

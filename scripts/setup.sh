@@ -19,3 +19,7 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 # lm-eval's RULER tasks that build offline (niah_single_1, niah_multikey_2/3, ruler_vt/cwe/fwe) need these
 # (nltk's punkt_tab is only used by the essay haystacks, which download from the web and cannot run offline)
 "${PIP[@]}" "nltk==3.10.4" "wonderwords==3.0.1" "scipy==1.17.1"
+# HQQ, for transformers' QuantizedCache(backend="hqq") in the SmolLM2 benchmark: an sdist whose setup tries to
+# build CUDA kernels unless DISABLE_CUDA=1 (its other deps are already here, einops and termcolor aside)
+DISABLE_CUDA=1 "${PIP[@]}" --no-deps "hqq==0.2.8.post1"
+"${PIP[@]}" "einops==0.8.2" "termcolor==3.3.0"

@@ -46,7 +46,7 @@ def test_shipped_bases_on_one_perplexity_window(smollm2):
     assert pre.calibration["sink_tokens"] == 4 and pre.model["model_type"] == "llama"
     with patchkv.patched(model, pre.with_ranks(rank=64)):  # full rank: only bf16 rounding
         assert window_ppl(model, ids, 32) == pytest.approx(base, rel=0.01)
-    assert pre.has_effect_weights
+    assert pre.has_effect_weights and pre.has_step_scales and pre.calibration["step_scales"]["bits"] == 119
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):  # 4x
         compressed = window_ppl(model, ids, 32)
     assert base < compressed < 1.06 * base  # 4x; the 4k benchmark measures +0.8% on prose (README)
@@ -63,3 +63,18 @@ def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
     pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):
         assert bench.ruler(model, tokenizer, tasks, 3, 64, None)[key] >= 200 / 3
+
+
+def test_benchmark_table_reads_the_csv_rows():
+    """The README's headline table is printed from the CSV by the benchmark (`--table`): every method once,
+    perplexity with its change against unpatched, RULER per task and length."""
+    rows = [{"method": m, "kv_bytes_per_token": b, "compression_vs_bf16": c, "task": t, "context": n,
+             "score": s, "unpatched_score": u}
+            for m, b, c, t, n, s, u in [
+                ("unpatched", "23040", "1.0", "ppl_prose", "4096", "10.0", "10.0"),
+                ("unpatched", "23040", "1.0", "ruler_niah_single_1", "2048", "100.0", "100.0"),
+                ("x 8x (sinks:sink_tokens=4)", "2880", "8.0", "ppl_prose", "4096", "10.5", "10.0"),
+                ("x 8x (sinks:sink_tokens=4)", "2880", "8.0", "ruler_niah_single_1", "2048", "50.0", "100.0")]]
+    lines = evals_module("bench_smollm2").table(rows).splitlines()
+    assert lines[0].endswith("| Milton ppl | niah_single_1 2k |") and len(lines) == 4
+    assert lines[3] == "| x 8x | 2880 | 8.00x | 10.50 (+5.0%) | — | — | 50 |"
