@@ -10,6 +10,11 @@ are outliers that would skew the bases; `SinksWindow` keeps them exact at infere
 (`patchkv.fisher`, for `Quantized(pool="global")`) are measured on the first `--fisher-tokens` tokens with the
 4 sinks and a 32-token window exact, as `SinksWindow(4, 32)` serves them. The model runs in bfloat16, as it is
 evaluated; moments and Fisher matrices are accumulated in float64.
+
+Step scales (`patchkv.steps`, artifact format version 3) are then fitted, for the `--step-modes`
+artifacts (pre-RoPE by default), for `Quantized(--step-bits, pool="global")` with the same sinks and window, on `--step-rows` sequences of `--step-seq` tokens from the
+ends of the two calibration sources. `--steps-only` refits them on the artifacts already in `--out` (calibration is
+deterministic, so that gives the same files as a full run).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchkv
 from patchkv.corpus import shakespeare_train
+from patchkv.steps import fit_step_scales
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
@@ -47,15 +53,44 @@ def main() -> None:
     ap.add_argument("--modes", default="pre_rope,post_rope")
     ap.add_argument("--fisher-tokens", type=int, default=8192)
     ap.add_argument("--fisher-window", type=int, default=32)
+    ap.add_argument("--step-bits", type=int, default=119, help="bits per head the step scales are fitted for (8x)")
+    ap.add_argument("--step-rows", type=int, default=2)
+    ap.add_argument("--step-seq", type=int, default=2048)
+    ap.add_argument("--step-modes", default="pre_rope", help="modes whose artifacts get step scales")
+    ap.add_argument("--steps-only", action="store_true", help="refit the step scales of the artifacts in --out")
     args = ap.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
+    ids = step_ids(tokenizer, args.step_rows, args.step_seq)
     for mode in args.modes.split(","):
-        artifact = patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32,
-                                     max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
-                                     fisher_tokens=args.fisher_tokens, fisher_window=args.fisher_window,
-                                     source="general mix: Python docs prose + Shakespeare training works")
-        print(artifact.save(Path(args.out) / f"{mode}.safetensors"), artifact)
+        file = Path(args.out) / f"{mode}.safetensors"
+        if args.steps_only and mode not in args.step_modes.split(","):
+            continue
+        if args.steps_only:
+            artifact = patchkv.Artifact.load(file)
+        else:
+            artifact = patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32,
+                                         max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
+                                         fisher_tokens=args.fisher_tokens, fisher_window=args.fisher_window,
+                                         source="general mix: Python docs prose + Shakespeare training works")
+        if mode in args.step_modes.split(","):
+            artifact = fit_step_scales(model, artifact, ids, bits=args.step_bits, pool="global",
+                                       sink_tokens=args.sink_tokens, window=args.fisher_window)
+        print(artifact.save(file), artifact)
+
+
+def step_ids(tokenizer, rows: int, seq: int) -> torch.Tensor:
+    """`[rows, seq]` token ids, each row a BOS token and the last `seq - 1` tokens of the prose calibration text
+    (even rows) or of the Shakespeare training works (odd rows), every row from a different stretch."""
+    sources = [(ROOT / "evals" / "data" / "prose_calibration.txt").read_text(encoding="utf-8"),
+               "\n\n".join(shakespeare_train())]
+    out = []
+    for row in range(rows):
+        text = sources[row % 2][-(row // 2 + 1) * 8 * seq:]  # about 4 characters a token: ample
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        stretch = ids[len(ids) - (row // 2 + 1) * (seq - 1):][: seq - 1]
+        out.append([tokenizer.bos_token_id, *stretch])
+    return torch.tensor(out)
 
 
 if __name__ == "__main__":
