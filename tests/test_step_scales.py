@@ -122,3 +122,22 @@ def test_fit_refuses_a_patched_model_and_short_text(model, weighted):
     with patchkv.patched(model, weighted):
         with pytest.raises(PatchKVError, match="patchkv.remove"):
             patchkv.fit_step_scales(model, weighted, calibration_ids(1, 40), bits=12)
+
+
+def test_scales_apply_only_to_the_pool_they_were_fitted_for(model, fitted):
+    """`fitted` was fitted for the global pool: the per-head pool codes with the Gaussian-matched steps."""
+    wide = with_step_scales(fitted, 3.0, 3.0)
+    wide.calibration["step_scales"] = dict(fitted.calibration["step_scales"])
+    assert patchkv.Quantized(12, pool="global").reads_step_scales(wide)
+    assert not patchkv.Quantized(12).reads_step_scales(wide)
+    unfitted = copy.deepcopy(wide)
+    del unfitted.calibration["step_scales"]  # scales without a record of their fit apply to either pool
+    assert patchkv.Quantized(12).reads_step_scales(unfitted)
+    ids = calibration_ids(1, 30, seed=3)
+    plain = copy.deepcopy(fitted)
+    plain.keys.step_scales = plain.values.step_scales = None
+    logits = []
+    for artifact in (wide, plain):
+        with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(32)]):
+            logits.append(fed_in_chunks(model, ids, 3))
+    assert torch.equal(logits[0], logits[1])  # per-head codes ignore scales fitted for the global pool
