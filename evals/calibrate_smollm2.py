@@ -11,10 +11,11 @@ are outliers that would skew the bases; `SinksWindow` keeps them exact at infere
 4 sinks and a 32-token window exact, as `SinksWindow(4, 32)` serves them. The model runs in bfloat16, as it is
 evaluated; moments and Fisher matrices are accumulated in float64.
 
-Step scales (`patchkv.steps`, artifact format version 3) are then fitted, for the `--step-modes`
-artifacts (pre-RoPE by default), for `Quantized(--step-bits, pool="global")` with the same sinks and window, on `--step-rows` sequences of `--step-seq` tokens from the
-ends of the two calibration sources. `--steps-only` refits them on the artifacts already in `--out` (calibration is
-deterministic, so that gives the same files as a full run).
+Step scales (`patchkv.steps`, artifact format version 3) are then fitted, for the `--step-modes` artifacts
+(pre-RoPE by default), for `Quantized(--step-bits, pool="global")` with the same sinks and window, on
+`--step-rows` sequences of `--step-seq` tokens from the ends of the two calibration sources. `--steps-only`
+refits them on the artifacts already in `--out` (calibration is deterministic, so that gives the same files
+as a full run).
 """
 
 from __future__ import annotations
@@ -62,18 +63,19 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
     ids = step_ids(tokenizer, args.step_rows, args.step_seq)
+    step_modes = args.step_modes.split(",")
     for mode in args.modes.split(","):
         file = Path(args.out) / f"{mode}.safetensors"
-        if args.steps_only and mode not in args.step_modes.split(","):
-            continue
         if args.steps_only:
+            if mode not in step_modes:
+                continue
             artifact = patchkv.Artifact.load(file)
         else:
             artifact = patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32,
                                          max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
                                          fisher_tokens=args.fisher_tokens, fisher_window=args.fisher_window,
                                          source="general mix: Python docs prose + Shakespeare training works")
-        if mode in args.step_modes.split(","):
+        if mode in step_modes:
             artifact = fit_step_scales(model, artifact, ids, bits=args.step_bits, pool="global",
                                        sink_tokens=args.sink_tokens, window=args.fisher_window)
         print(artifact.save(file), artifact)

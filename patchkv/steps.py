@@ -73,13 +73,16 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
 
 
 def with_step_scales(artifact: Artifact, keys: float, values: float) -> Artifact:
-    """A copy (tensors shared) whose every head has step scale `keys` for keys and `values` for values."""
+    """A copy (tensors shared) whose every head has step scale `keys` for keys and `values` for values. The
+    record of an earlier fit (`calibration["step_scales"]`) is dropped: it described other scales, and its pool
+    would decide which `Quantized` pool reads these (`Quantized.reads_step_scales`)."""
     parts = {}
     for kind, scale in zip(KINDS, (keys, values)):
         c = getattr(artifact, kind)
         parts[kind] = Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks, c.weights,
                                  torch.full(tuple(c.ranks.shape), float(scale)))
-    return Artifact(mode=artifact.mode, model=artifact.model, calibration=dict(artifact.calibration), **parts)
+    calibration = {k: v for k, v in artifact.calibration.items() if k != "step_scales"}
+    return Artifact(mode=artifact.mode, model=artifact.model, calibration=calibration, **parts)
 
 
 def token_loss(model: nn.Module, input_ids: torch.Tensor, chunk: int) -> float:

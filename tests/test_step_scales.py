@@ -5,7 +5,8 @@ import copy
 
 import pytest
 import torch
-from conftest import calibration_ids, fed_in_chunks, make_model
+from conftest import calibration_ids, fed_in_chunks
+from test_global_pool import model, weighted  # noqa: F401 (the tiny Llama and its effect-weighted bases)
 from test_reliability_artifact import read, write
 
 import patchkv
@@ -13,17 +14,6 @@ from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError, InvalidArtifactError, PatchKVError
 from patchkv.quantize import GAUSSIAN_STEP
 from patchkv.steps import token_loss, with_step_scales
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model("llama")
-
-
-@pytest.fixture(scope="module")
-def weighted(model):
-    return patchkv.calibrate(model, calibration_ids(8, 48), mode="pre_rope", rank=16, sink_tokens=2,
-                             fisher_tokens=128, fisher_window=4, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +69,8 @@ def test_quantized_codes_read_the_scales(model, weighted):
     for name, artifact in (("none", weighted), ("one", with_step_scales(weighted, 1.0, 1.0)),
                            ("wide", with_step_scales(weighted, 2.0, 1.0))):
         with patchkv.patched(model, artifact, methods):
-            codecs = model.model.layers[layer].self_attn.patchkv.keys, model.model.layers[layer].self_attn.patchkv.values
+            patch = model.model.layers[layer].self_attn.patchkv
+            codecs = patch.keys, patch.values
             logits[name] = fed_in_chunks(model, ids, 3)
             if name == "wide":
                 quantizer = codecs[0].quantizer
@@ -141,3 +132,13 @@ def test_scales_apply_only_to_the_pool_they_were_fitted_for(model, fitted):
         with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(32)]):
             logits.append(fed_in_chunks(model, ids, 3))
     assert torch.equal(logits[0], logits[1])  # per-head codes ignore scales fitted for the global pool
+
+
+def test_refitting_for_the_other_pool_measures_scaled_codes(model, fitted):
+    """Refitting an artifact fitted for the global pool, for the per-head pool: every trial reads its own scales
+    (the earlier fit's record, whose pool would switch them off, is not carried into the trials)."""
+    refit = patchkv.fit_step_scales(model, fitted, calibration_ids(2, 40, seed=9), bits=32, pool="head",
+                                    sink_tokens=2, window=4, grid=(1.0, 3.0))
+    losses = [nll for _, _, nll in refit.calibration["step_scales"]["tried"]]
+    assert refit.calibration["step_scales"]["pool"] == "head" and len(set(losses)) == len(losses)
+    assert patchkv.Quantized(32).reads_step_scales(refit)
