@@ -55,7 +55,8 @@ head) unless all of the following hold, in this order:
 1. with `sha256=` given: the sha256 of the file's bytes (what `sha256sum FILE` prints; also
    `patchkv.artifact.file_sha256`) equals it, as bare hex or "sha256:<hex>". This is not the stored
    `checksum` field: it covers the whole file, header included. Saved files are byte-for-byte
-   reproducible, so the hash of an artifact is stable.
+   reproducible, so the hash of an artifact is stable. The file is read once: the bytes hashed are the
+   bytes parsed, so a file replaced meanwhile cannot be loaded under another file's hash.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
 3. `format_version` is the integer 1, 2 or 3;
@@ -89,7 +90,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 from torch import nn
 
@@ -343,22 +345,26 @@ class Artifact:
         """
         expected = _parse_sha256(sha256)
         file = _resolve(Path(path).expanduser(), creating=False)
+        try:  # read once: the hash is checked on, and the artifact parsed from, the same bytes
+            data = file.read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{file} could not be read: {e.strerror or e}.") from e
         if expected is not None:
-            actual = file_sha256(file)
+            actual = "sha256:" + hashlib.sha256(data).hexdigest()
             if actual != expected:
                 raise ArtifactError(
                     f"{file} has sha256 {actual}, expected {expected}: it is not the file you asked for, or it is "
                     "corrupted. Download or save it again, or check the expected hash."
                 )
         try:
-            with safe_open(str(file), framework="pt") as f:
-                header = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = load_tensors(data)
+            header = _header_metadata(data)
         except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
             raise ArtifactError(
                 f"{file} is not a readable safetensors file ({e}). It is truncated or corrupted: "
                 "download or save it again."
             ) from e
+        del data
         if "patchkv" not in header:
             raise ArtifactError(f"{file} is a safetensors file but not a patchkv artifact (no 'patchkv' metadata).")
         meta = _parse_metadata(file, header["patchkv"])
@@ -426,6 +432,19 @@ class Artifact:
                 f"mean key rank={self.keys.ranks.float().mean():.1f}, "
                 f"mean value rank={self.values.ranks.float().mean():.1f}, "
                 f"compression={self.compression_ratio():.2f}x)")
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file's header: 8 bytes little-endian header length, then the JSON
+    header. Called after `safetensors.torch.load` has accepted `data`, so the header is well-formed."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("the header's __metadata__ is not an object of strings")
+    return metadata
 
 
 def file_sha256(path: str | Path) -> str:

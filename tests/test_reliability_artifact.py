@@ -2,8 +2,11 @@
 with an `ArtifactError` naming the tensor, layer and head, and the model is left untouched."""
 
 import copy
+import hashlib
 import json
+import os
 import time
+import types
 
 import pytest
 import torch
@@ -278,3 +281,48 @@ def test_validation_is_fast_at_smollm2_size():
     start = time.perf_counter()
     Artifact(mode="pre_rope", model=model, **parts)
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_pinned_load_parses_the_bytes_it_hashed(tmp_path, monkeypatch, artifact):
+    """The file is swapped for another artifact (os.replace) right after its hash is taken: the load returns the
+    artifact whose bytes were hashed, never the other one."""
+    pinned = artifact.save(tmp_path / "a.safetensors")
+    digest = file_sha256(pinned)
+    other = artifact.with_ranks(rank=2).save(tmp_path / "b.safetensors")
+    swapped = []
+
+    class SwapAfterHashing:
+        def __init__(self, *data):
+            self.h = hashlib.sha256(*data)
+
+        def update(self, data):
+            self.h.update(data)
+
+        def hexdigest(self):
+            if not swapped:
+                os.replace(other, pinned)
+                swapped.append(True)
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(patchkv.artifact, "hashlib", types.SimpleNamespace(sha256=SwapAfterHashing))
+    loaded = Artifact.load(pinned, sha256=digest)
+    monkeypatch.undo()
+    assert swapped and file_sha256(pinned) != digest  # the path now holds the other artifact
+    assert loaded.metadata() == artifact.metadata()
+    assert torch.equal(loaded.keys.ranks.long(), artifact.keys.ranks.long())
+
+
+def test_load_reads_the_file_once(tmp_path, monkeypatch, artifact):
+    file = artifact.save(tmp_path / "a.safetensors")
+    reads = []
+    real = type(file).read_bytes
+
+    def counted(self):
+        reads.append(self)
+        return real(self)
+
+    monkeypatch.setattr(type(file), "read_bytes", counted)
+    for sha256 in (None, file_sha256(file)):
+        reads.clear()
+        assert Artifact.load(file, sha256=sha256).metadata() == artifact.metadata()
+        assert reads == [file]
