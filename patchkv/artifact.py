@@ -61,10 +61,10 @@ head) unless all of the following hold, in this order:
    nested deeper than Python can parse), with exactly the fields above;
 3. `format_version` is the integer 1, 2 or 3;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
-5. metadata types: `mode` one of the two strings; `model` an object whose `model_type`, `architecture`,
-   `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
-   `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16, bfloat16, float64;
-   `calibration` an object;
+5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above, whose
+   `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`,
+   `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16,
+   bfloat16, float64; `calibration` an object;
 6. exactly the eight tensors (version 1), ten (version 2) or ten or twelve (version 3), float32 and
    (ranks) int32, of the shapes above, agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
@@ -114,6 +114,8 @@ _CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "nu
 _STR_FIELDS = ("model_type", "architecture", "name_or_path")
 _INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: exactly the fields of the metadata's `model` object
+MODEL_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "dtype")
 META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
 TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
@@ -512,9 +514,13 @@ def _json_type(value: Any) -> str:
 def _check_model_fields(model: dict[str, Any]) -> None:
     if not isinstance(model, dict):
         raise InvalidArtifactError(f"model must be an object of identity fields, got {model!r:.80}.")
-    missing = [k for k in (*_STR_FIELDS, *_INT_FIELDS, "dtype") if k not in model]
+    missing = [k for k in MODEL_FIELDS if k not in model]
     if missing:
         raise InvalidArtifactError(f"model is missing the field(s) {missing} (see patchkv.artifact.model_identity).")
+    extra = sorted(str(k) for k in model if k not in MODEL_FIELDS)
+    if extra:
+        raise InvalidArtifactError(f"model has the unexpected field(s) {extra}; the format has exactly "
+                                   f"{list(MODEL_FIELDS)} (see patchkv.artifact.model_identity).")
     for k in _STR_FIELDS:
         if not isinstance(model[k], str):
             raise InvalidArtifactError(f"model.{k} must be a string, got {model[k]!r:.80}.")

@@ -209,6 +209,7 @@ def _without(field, sub=None):
     (_model_with(name_or_path={"a": 1}), "model.name_or_path must be a string"),
     (_model_with(dtype="int8"), "model.dtype must be one of"),
     (_model_with(dtype=["float32"]), "model.dtype must be one of"),
+    (_model_with(quantization="int4"), "model has the unexpected field(s) ['quantization']"),
 ])
 def test_metadata_of_the_wrong_types_is_refused(tmp_path, model, artifact, edit, fragment):
     tensors, meta = read(artifact.save(tmp_path / "a.safetensors"))
@@ -244,7 +245,9 @@ def test_construction_refuses_wrong_metadata_types(artifact):
                           (dict(mode="pre_rope", model=artifact.model, calibration=[1]), "calibration must be"),
                           (dict(mode="pre_rope", model=artifact.model, calibration={"x": object()}),
                            "JSON-serialisable"),
-                          (dict(mode="pre_rope", model={**artifact.model, "dtype": "foo"}), "model.dtype")]:
+                          (dict(mode="pre_rope", model={**artifact.model, "dtype": "foo"}), "model.dtype"),
+                          (dict(mode="pre_rope", model={**artifact.model, "extra": 1}),
+                           r"unexpected field\(s\) \['extra'\]")]:
         with pytest.raises(ArtifactError, match=fragment):
             Artifact(**bad, **kw)
     with pytest.raises(ArtifactError, match="to_dtype"):
