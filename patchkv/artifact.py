@@ -81,10 +81,13 @@ file always holds float32 and int32. Loading uses safetensors only: no pickle, n
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
+import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +95,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save_file
+from safetensors.torch import save as serialize
 from torch import nn
 
 from . import hub
@@ -329,13 +332,16 @@ class Artifact:
     def save(self, path: str | Path) -> Path:
         """Write the artifact to `path` (a `.safetensors` file, or a directory that gets `patchkv.safetensors`).
 
-        Returns the file written.
+        Returns the file written. The file appears complete or not at all (written to a temporary file in the
+        same folder, then renamed over `path`): a full disk or an interrupt leaves any earlier file as it was and
+        no temporary file behind. Its mode is that of any new file, 0o666 less the umask.
         """
         self._validate()  # attributes may have been changed since construction: never write an invalid file
         file = _resolve(Path(path).expanduser(), creating=True)
         file.parent.mkdir(parents=True, exist_ok=True)
         # a single metadata entry: safetensors writes metadata keys in hash order, and files must be reproducible
-        save_file(self.tensors(), str(file), metadata={"patchkv": json.dumps(self.metadata())})
+        data = serialize(self.tensors(), metadata={"patchkv": json.dumps(self.metadata())})
+        _write_atomically(file, data)
         return file
 
     @classmethod
@@ -447,6 +453,34 @@ def _header_metadata(data: bytes) -> dict[str, str]:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("the header's __metadata__ is not an object of strings")
     return metadata
+
+
+def _write_atomically(file: Path, data: bytes) -> None:
+    """Write `data` to a new temporary file beside `file`, flush it to disk, and rename it over `file`; on any
+    failure (a full disk, a KeyboardInterrupt) the temporary file is removed and `file` is left as it was.
+    The temporary file is created with mode 0o666, which the umask reduces as for any new file."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    tmp = None
+    try:
+        while tmp is None:
+            candidate = file.with_name(f".{file.name[:200]}.{secrets.token_hex(6)}.tmp")
+            try:
+                fd = os.open(candidate, flags, 0o666)
+            except FileExistsError:
+                continue
+            tmp = candidate
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:  # name the file asked for, not the temporary one
+            raise OSError(e.errno, e.strerror, str(file)) from e
+        raise
 
 
 def file_sha256(path: str | Path) -> str:

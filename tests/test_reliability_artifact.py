@@ -2,6 +2,7 @@
 with an `ArtifactError` naming the tensor, layer and head, and the model is left untouched."""
 
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -329,3 +330,42 @@ def test_load_reads_the_file_once(tmp_path, monkeypatch, artifact):
         reads.clear()
         assert Artifact.load(file, sha256=sha256).metadata() == artifact.metadata()
         assert reads == [file]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077, 0o002])
+def test_saved_files_have_the_umask_mode(tmp_path, artifact, umask):
+    previous = os.umask(umask)
+    try:
+        file = artifact.save(tmp_path / "a.safetensors")
+        assert os.stat(file).st_mode & 0o777 == 0o666 & ~umask
+        os.chmod(file, 0o600)
+        artifact.save(file)  # replacing a file gives the new file the umask's mode too
+        assert os.stat(file).st_mode & 0o777 == 0o666 & ~umask
+    finally:
+        os.umask(previous)
+    assert os.listdir(tmp_path) == ["a.safetensors"]
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_save_leaves_the_earlier_file_and_no_temporary(tmp_path, monkeypatch, artifact, failure):
+    file = artifact.save(tmp_path / "a.safetensors")
+    before = file.read_bytes()
+
+    def fail(fd):
+        raise failure
+
+    monkeypatch.setattr(patchkv.artifact.os, "fsync", fail)
+    with pytest.raises(type(failure)) as info:
+        artifact.with_ranks(rank=2).save(file)
+    monkeypatch.undo()
+    if isinstance(failure, OSError):
+        assert info.value.errno == errno.ENOSPC and str(file) in str(info.value)
+    assert file.read_bytes() == before and os.listdir(tmp_path) == ["a.safetensors"]
+    assert Artifact.load(file).metadata() == artifact.metadata()
+
+
+def test_saved_bytes_are_what_safetensors_writes(tmp_path, artifact):
+    file = artifact.save(tmp_path / "a.safetensors")
+    save_file(artifact.tensors(), str(tmp_path / "ref.safetensors"),
+              metadata={"patchkv": json.dumps(artifact.metadata())})
+    assert file.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
