@@ -337,7 +337,7 @@ class Artifact:
         no temporary file behind. Its mode is that of any new file, 0o666 less the umask.
         """
         self._validate()  # attributes may have been changed since construction: never write an invalid file
-        file = _resolve(Path(path).expanduser(), creating=True)
+        file = _resolve(_path(path), creating=True)
         file.parent.mkdir(parents=True, exist_ok=True)
         # a single metadata entry: safetensors writes metadata keys in hash order, and files must be reproducible
         data = serialize(self.tensors(), metadata={"patchkv": json.dumps(self.metadata())})
@@ -352,7 +352,7 @@ class Artifact:
         "sha256:<hex>". Raises `ArtifactError` on any defect, naming the file.
         """
         expected = _parse_sha256(sha256)
-        file = _resolve(Path(path).expanduser(), creating=False)
+        file = _resolve(_path(path), creating=False)
         try:  # read once: the hash is checked on, and the artifact parsed from, the same bytes
             data = file.read_bytes()
         except OSError as e:
@@ -440,6 +440,14 @@ class Artifact:
                 f"mean key rank={self.keys.ranks.float().mean():.1f}, "
                 f"mean value rank={self.values.ranks.float().mean():.1f}, "
                 f"compression={self.compression_ratio():.2f}x)")
+
+
+def _path(path: str | Path) -> Path:
+    """`path` with `~` expanded; an empty string is refused rather than taken as the current folder."""
+    if isinstance(path, str) and not path:
+        raise ArtifactError("The artifact path is an empty string: give a .safetensors file or a folder ('.' for "
+                            "the current one).")
+    return hub.expand_user(path)
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 `from_pretrained(x)` reads a local file or directory when `x` exists; when `x` looks like a path (starts with
 `./`, `../`, `/`, `~`, or ends with `.safetensors`) but does not exist it fails at once, without asking the Hub;
-otherwise `x` is a Hub repo id. A downloaded file that fails any check of `Artifact.load` (a corrupted cache, an
+otherwise `x` is a Hub repo id. An empty string, or a `~user` that cannot be expanded, is an `ArtifactError` (an
+empty string is not taken as the current folder). A downloaded file that fails any check of `Artifact.load` (a corrupted cache, an
 interrupted download) is downloaded again once, bypassing the cache; a second failure is an `ArtifactError`.
 """
 
@@ -105,6 +106,15 @@ def looks_like_path(value: str | Path) -> bool:
             or bool(re.match(r"[A-Za-z]:[\\/]", s)) or s.endswith(".safetensors"))
 
 
+def expand_user(path: str | Path, error: type[Exception] = ArtifactError) -> Path:
+    """`Path(path)` with a leading `~` or `~user` expanded; `error` (not a `RuntimeError`) when it cannot be."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as e:  # "~name" of a user that does not exist, or no home directory
+        raise error(f"{path}: cannot expand {str(path).split('/')[0]!r} to a home folder ({e}): no such user, "
+                    "or no home directory is set.") from e
+
+
 def check_revision(revision: str | None) -> str | None:
     """`revision` unchanged if it is None, a 40-hex commit, or a branch/tag name; else `ArtifactError`."""
     if revision is None:
@@ -162,7 +172,10 @@ def from_pretrained(repo_id_or_path: str | Path, load: Callable[..., Loaded], *,
     check_revision(revision)
     if not isinstance(repo_id_or_path, (str, Path)):
         raise ArtifactError(f"Expected a local path or a Hub repo id, got {repo_id_or_path!r:.80}.")
-    path = Path(repo_id_or_path).expanduser()
+    if isinstance(repo_id_or_path, str) and not repo_id_or_path.strip():
+        raise ArtifactError(f"Expected a local path or a Hub repo id, got {repo_id_or_path!r}, an empty string; "
+                            "for an artifact in the current folder pass '.'.")
+    path = expand_user(repo_id_or_path)
     if path.exists():
         try:
             return load(path, sha256=sha256)

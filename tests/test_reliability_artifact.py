@@ -369,3 +369,16 @@ def test_saved_bytes_are_what_safetensors_writes(tmp_path, artifact):
     save_file(artifact.tensors(), str(tmp_path / "ref.safetensors"),
               metadata={"patchkv": json.dumps(artifact.metadata())})
     assert file.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_empty_and_unexpandable_paths_are_refused(tmp_path, monkeypatch, artifact):
+    monkeypatch.chdir(tmp_path)
+    artifact.save(".")  # ./patchkv.safetensors: what an empty string used to reach
+    for call in (lambda: Artifact.load(""), lambda: Artifact.from_pretrained(""), lambda: artifact.save(""),
+                 lambda: Artifact.load("", sha256="0" * 64)):
+        with pytest.raises(ArtifactError, match="empty string"):
+            call()
+    for call in (lambda: Artifact.load("~patchkv-no-such-user/a"), lambda: artifact.save("~patchkv-no-such-user/a"),
+                 lambda: Artifact.from_pretrained("~patchkv-no-such-user/a")):
+        with pytest.raises(ArtifactError, match="~patchkv-no-such-user"):
+            call()
