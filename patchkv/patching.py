@@ -9,7 +9,9 @@
   `LatentCache` by itself, and `patchkv` (the model-wide `Patch`).
 
 Every check runs before anything changes; if installing fails or is interrupted, what was installed is
-taken off again, so the model is either fully patched or exactly as it was.
+taken off again, so the model is either fully patched or exactly as it was. `remove` refuses, changing
+nothing, while another library's wrapper sits on what `apply` installed (e.g. an accelerate hook added after
+`apply`): that wrapper would keep calling the patched forward after its state is gone.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), 
     plan = build_plan([*methods, *from_options(sink_tokens, window, bits, top_k, top_k_rank)])
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
     if implementation not in ("eager", "sdpa"):
-        raise PatchKVError(f"patchkv attends over augmented latent features, which attn_implementation="
-                           f"{implementation!r} cannot take; load the model with attn_implementation='sdpa' or 'eager'.")
+        raise PatchKVError(f"patchkv is built and tested with the 'sdpa' and 'eager' attention implementations, not "
+                           f"attn_implementation={implementation!r}; load the model with attn_implementation='sdpa' "
+                           "or 'eager'.")
     modules = attention_modules(model, adapter)
     codecs = plan.codec.codecs(artifact, [adapter.query_groups(m) for m in modules], adapter.dtype(modules[0]))
     rotary = adapter.rotary_embedding(model)
@@ -73,6 +76,7 @@ def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), 
                   [adapter.sliding_window(m) for m in modules])
     layer_patches = [LayerPatch(patch, attn.layer_idx, keys, values, tables[adapter.rope_key(attn)])
                      for attn, (keys, values) in zip(modules, codecs)]
+    patch.layers = layer_patches
     try:
         _install(model, patch, modules, layer_patches)
     except BaseException:
@@ -119,11 +123,45 @@ def _uninstall(model: nn.Module, patch: Patch, modules: list[nn.Module]) -> None
 
 def remove(model: nn.Module) -> nn.Module:
     """Restore the model exactly as it was before `apply` (forwards, hooks, attributes); returns `model`.
-    A model that is not patched is returned unchanged."""
+    A model that is not patched is returned unchanged.
+
+    Raises `PatchKVError`, changing nothing, when another library wrapped what `apply` installed (an attention
+    module's `forward`, or `model._prepare_cache_for_generation`, replaced after `apply`, e.g. by
+    `accelerate.hooks.add_hook_to_module`): the wrapper would go on calling patchkv's code after its state is
+    gone. Remove the other library's wrappers first, then call `remove` again."""
     patch = vars(model).get("patchkv")
     if patch is not None:
-        _uninstall(model, patch, attention_modules(model, patch.adapter))
+        modules = attention_modules(model, patch.adapter)
+        _check_unwrapped(model, patch, modules)
+        _uninstall(model, patch, modules)
     return model
+
+
+def _check_unwrapped(model: nn.Module, patch: Patch, modules: list[nn.Module]) -> None:
+    """Refuse (before anything changes) to remove a patch whose installed callables were replaced since `apply`."""
+    names = {id(m): name for name, m in model.named_modules()}
+    wrapped, accelerate = [], False
+    for attn in modules:
+        layer_patch = vars(attn).get("patchkv")
+        if layer_patch is None or layer_patch.patch is not patch or "forward" not in vars(attn):
+            continue
+        forward = vars(attn)["forward"]
+        if not (isinstance(forward, LatentForward) and forward.module is attn):
+            wrapped.append(f"{names.get(id(attn)) or type(attn).__name__}.forward")
+            accelerate = accelerate or hasattr(attn, "_hf_hook")
+    preparer = vars(model).get("_prepare_cache_for_generation")
+    if preparer is not None and not isinstance(preparer, LatentCachePreparer):
+        wrapped.append("model._prepare_cache_for_generation")
+    if not wrapped:
+        return
+    shown = ", ".join(wrapped[:3]) + (f" and {len(wrapped) - 3} more" if len(wrapped) > 3 else "")
+    how = ("accelerate.hooks.remove_hook_from_module(module) on each of those modules" if accelerate
+           else "with that library's own remove or unwrap call")
+    raise PatchKVError(
+        f"Cannot remove patchkv: {shown} {'was' if len(wrapped) == 1 else 'were'} replaced after patchkv.apply by "
+        "another library's wrapper, which may call patchkv's code and would fail once its state is gone. Nothing "
+        f"was changed; the model is still patched. Remove the other library's wrappers first ({how}), then call "
+        "patchkv.remove(model) again.")
 
 
 @contextmanager

@@ -135,3 +135,47 @@ def test_disk_offloaded_model_calibrates_patches_and_generates(tmp_path):
         out = offloaded.generate(x, **kwargs)
     assert torch.equal(out.sequences, reference.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(out.scores, reference.scores)) < 1e-5
+
+
+def test_remove_refuses_through_a_hook_added_after_apply(model_and_artifact):
+    """accelerate wraps an attention module's forward after apply: remove refuses before changing anything (the
+    wrapper calls patchkv's forward, which needs its state); once the hook is removed, remove works."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    model, art = model_and_artifact
+    x = calibration_ids(2, 8, seed=7)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    reference = model.generate(x, **kwargs)
+    attn = model.model.layers[1].self_attn
+    patchkv.apply(model, art.with_ranks(rank=4))
+    patched_out = model.generate(x, **kwargs)
+    add_hook_to_module(attn, ModelHook())
+    wrapper = vars(attn)["forward"]
+    with pytest.raises(patchkv.PatchKVError) as info:
+        patchkv.remove(model)
+    message = str(info.value)
+    assert "model.layers.1.self_attn.forward" in message and "remove_hook_from_module" in message
+    assert "Nothing was changed" in message
+    assert patchkv.is_patched(model) and vars(attn)["forward"] is wrapper and "patchkv" in vars(attn)
+    assert torch.equal(model.generate(x, **kwargs), patched_out)  # still patched, and still works
+    remove_hook_from_module(attn)
+    patchkv.remove(model)
+    assert not patchkv.is_patched(model) and "forward" not in vars(attn)
+    assert torch.equal(model.generate(x, **kwargs), reference)
+
+
+def test_remove_refuses_a_replaced_cache_preparer(model_and_artifact):
+    model, art = model_and_artifact
+    patchkv.apply(model, art)
+    ours = model._prepare_cache_for_generation
+
+    def wrapped(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    model._prepare_cache_for_generation = wrapped
+    with pytest.raises(patchkv.PatchKVError, match="model._prepare_cache_for_generation"):
+        patchkv.remove(model)
+    assert patchkv.is_patched(model) and model._prepare_cache_for_generation is wrapped
+    model._prepare_cache_for_generation = ours
+    patchkv.remove(model)
+    assert not patchkv.is_patched(model) and "_prepare_cache_for_generation" not in vars(model)
