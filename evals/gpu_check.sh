@@ -7,8 +7,7 @@
 #
 # 1. the Triton kernels against their PyTorch references, compiled on CUDA (the script of tests/test_kernels.py
 #    with CUDA as the default device; --cpu-smoke: under TRITON_INTERPRET=1);
-# 2. the operator benchmark, one Llama-3-8B attention layer, contexts 8k-128k (evals/bench_attention_op.py);
-# 3. the GEMM benchmark (evals/bench_gemm.py).
+# 2. the GEMM benchmark (evals/bench_gemm.py).
 # Each step's output goes to $RESULTS/log.txt too; versions and nvidia-smi to $RESULTS/env.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,12 +21,10 @@ LOG="$RESULTS/log.txt"
 if [[ "${1:-}" == "--cpu-smoke" ]]; then
   DEVICE=cpu
   INTERPRET=1  # the kernels step only: elsewhere the benchmarks run what a CPU runs, the PyTorch references
-  OP_ARGS=(--contexts 1024,2048 --top-k 128 --warmup 1 --repeats 2 --threads 1)
   GEMM_ARGS=(--seq 64 --heads 64 --head-dims 1,8,64 --ranks 8,32 --rank-heads 8 --square 256 --repeats 2 --threads 1)
 else
   DEVICE=cuda
   INTERPRET=0
-  OP_ARGS=(--contexts 8192,16384,32768,65536,131072 --warmup 10 --repeats 50)
   GEMM_ARGS=(--warmup 3 --repeats 20)
   # this package from the local tree only (no index, no dependencies: the machine's torch and transformers stay)
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee -a "$LOG"
@@ -53,8 +50,6 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 torch.set_default_device('$DEVICE')
 exec(module.SCRIPT)"
-step "operator benchmark ($DEVICE)" "$PY" evals/bench_attention_op.py --device "$DEVICE" "${OP_ARGS[@]}" \
-  --conditions "gpu_check.sh on $DEVICE" --out "$RESULTS"
 step "GEMM benchmark ($DEVICE)" "$PY" evals/bench_gemm.py --device "$DEVICE" "${GEMM_ARGS[@]}" \
   --conditions "gpu_check.sh on $DEVICE" --out "$RESULTS"
 echo "== done: $(ls "$RESULTS" | tr '\n' ' ')" | tee -a "$LOG"

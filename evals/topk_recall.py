@@ -5,9 +5,11 @@
 SmolLM2-135M-Instruct (bfloat16) with its bases (`artifacts/smollm2-bases`), patched with rank-16 latents,
 4 sinks, a 32-token window and `TopK(64, 8)`. For each of `--docs` prose documents (the lm-eval task data),
 `--context` tokens are prefilled, then the next `--queries` tokens are decoded one at a time (teacher forced).
-At every decode step and every layer, the selection is made by the library's own code, as the patched
-attention makes it (`mode.approximate_scores` on the first `r` latent components, then `TopK(k, r).select`),
-for several k and r; it is compared with the top-k by exact attention score over the latent middle:
+At every decode step and every layer, the run observes the library's own attention path (it wraps
+`patchkv.attention.select` and `LatentLayer.update_latent`, which then run unchanged) and makes the selection as
+the patched attention makes it (`mode.approximate_scores` on the first `r` latent components, then
+`TopK(k, r).select`), for several k and r; it is compared with the top-k by exact attention score over the latent
+middle (`mode.middle_scores`, what the decode step itself computes):
 
 - reference "cache": exact scores against the keys the cache holds (rank-16 latents, reconstructed; what
   dense attention over this cache would weigh): the error of the selection's approximate scoring alone;
@@ -36,7 +38,7 @@ import patchkv
 import patchkv.attention as attention
 from patchkv.attention import _additive
 from patchkv.cache import LatentLayer
-from patchkv.modes import Visible
+from patchkv.modes import grouped_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("mode", "score_rank", "k", "reference", "recall_kv", "recall_q", "mass_chosen", "mass_oracle",
@@ -44,66 +46,54 @@ FIELDS = ("mode", "score_rank", "k", "reference", "recall_kv", "recall_q", "mass
 
 
 class Recorder:
-    """Wraps the patched attention's `_attend` and `LatentLayer.append` for the run: keeps every appended key
-    (the original, before compression) and, at each decode step, scores the library's selections."""
+    """Observes the library's own attention path for the run: `LatentLayer.update_latent` (keeps every key given to
+    the cache, before compression) and `patchkv.attention.select` (the top-k step of a decode step, whose
+    arguments it scores the selections on, with the library's own scoring), then lets both run unchanged."""
 
-    def __init__(self, ranks: list[int], ks: list[int]):
-        self.ranks, self.ks = ranks, ks
+    def __init__(self, ranks: list[int], ks: list[int], scaling: float):
+        self.ranks, self.ks, self.scaling = ranks, ks, scaling
         self.sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * 4)  # (rank, k, ref, layer) -> sums
         self.counts: dict[int, int] = defaultdict(int)  # layer -> decode queries seen
         self.middle = 0
-        self._attend, self._append = attention._attend, LatentLayer.append
+        self._select, self._update = attention.select, LatentLayer.update_latent
+        self.originals: dict[int, torch.Tensor] = {}  # layer -> every key given to it, [batch, kv_heads, n, d]
 
     def __enter__(self):
         recorder = self
 
-        def append(layer, keys, values, positions, patch):
-            layer.original_keys = keys if not hasattr(layer, "original_keys") else torch.cat(
-                [layer.original_keys, keys], dim=2)
-            return recorder._append(layer, keys, values, positions, patch)
+        def update_latent(layer, keys, values, positions):
+            before = recorder.originals.get(layer.patch.layer_idx)
+            recorder.originals[layer.patch.layer_idx] = keys if before is None else torch.cat([before, keys], dim=2)
+            return recorder._update(layer, keys, values, positions)
 
-        def attend(attn, lp, layer, q, cos, sin, mask, kwargs):
-            selector = lp.patch.plan.selector
-            if selector is not None and not layer.is_sliding and selector.applies(q.shape[2], layer.middle_len):
-                with torch.no_grad():
-                    recorder.measure(attn, lp, layer, q, cos, sin, mask)
-            return recorder._attend(attn, lp, layer, q, cos, sin, mask, kwargs)
+        def select(lp, q, seen, mask):
+            with torch.no_grad():
+                recorder.measure(lp, q, seen, mask)
+            return recorder._select(lp, q, seen, mask)
 
-        attention._attend, LatentLayer.append = attend, append
+        attention.select, LatentLayer.update_latent = select, update_latent
         return self
 
     def __exit__(self, *exc):
-        attention._attend, LatentLayer.append = self._attend, self._append
+        attention.select, LatentLayer.update_latent = self._select, self._update
 
-    def measure(self, attn, lp, layer, q, cos, sin, mask) -> None:
+    def reset(self) -> None:
+        """A new document: a new cache."""
+        self.originals.clear()
+
+    def measure(self, lp, q, seen, mask) -> None:
         mode, groups = lp.patch.mode, lp.keys.basis.query_groups
-        regions, positions = layer.regions(q.shape[2])
-        ns, nm, nr = (regions[f"{r}_keys"].shape[2] for r in ("sink", "latent", "recent"))
-        sink_pos, middle_pos, recent_pos = positions.split([ns, nm, nr], dim=1)
-        key_coeffs = lp.keys.decode(regions["latent_keys"])
-        value_coeffs = lp.values.decode(regions["latent_values"])
+        ns, nm = seen.sink_keys.shape[2], seen.middle_len
         bias = 0 if mask is None else _additive(mask)[:, :, -1, ns:ns + nm]
-        scaling = lp.patch.adapter.scaling(attn)
-
-        def exact(seen: Visible, columns: slice) -> torch.Tensor:
-            """The mode's own score operands (dot products = true scores), `[batch, heads, m]` over `columns`."""
-            queries, keys = mode.score_operands(lp, q, cos, sin, seen)
-            b, h, _, d = queries.shape
-            keys = keys[:, :, columns]
-            s = queries.view(b, h // groups, groups, d) @ keys.transpose(-1, -2)  # [b, kv_heads, groups, m]
-            return s.reshape(b, h, -1).float() + bias
-
-        dense = Visible(regions["sink_keys"], regions["sink_values"], regions["recent_keys"], regions["recent_values"],
-                        key_coeffs, value_coeffs, sink_pos, middle_pos, recent_pos)
-        # the original middle keys as the one exact region of a Visible: score_operands rotates them (pre-RoPE)
-        original = layer.original_keys[:, :, ns:ns + nm]
-        empty_k, empty_c = original[:, :, :0], key_coeffs[:, :, :0]
-        as_exact = Visible(original, original, empty_k, empty_k, empty_c, empty_c, middle_pos, middle_pos[:, :0],
-                           middle_pos[:, :0])
-        references = {"cache": exact(dense, slice(ns, ns + nm)), "original": exact(as_exact, slice(0, nm))}
-        approx = {r: mode.approximate_scores(lp, q, cos, sin, key_coeffs[..., :r], middle_pos) + bias
-                  for r in self.ranks}
-        b, h, m = references["cache"].shape
+        scaling = self.scaling
+        b, h = q.shape[:2]
+        qg = q.float().reshape(b, h // groups, groups, -1)
+        original = mode.exact_keys(lp, self.originals[lp.layer_idx][:, :, ns:ns + nm].float(), seen.middle_positions)
+        references = {"cache": mode.middle_scores(lp, seen, qg).reshape(b, h, nm) + bias,
+                      "original": grouped_scores(qg, original).reshape(b, h, nm) + bias}
+        coeffs = lp.keys.decode(seen.middle_keys.unsqueeze(1))
+        approx = {r: mode.approximate_scores(lp, q, coeffs[..., :r], seen.middle_positions) + bias for r in self.ranks}
+        m = nm
         for ref, scores in references.items():
             probs = (scores * scaling).softmax(-1)  # over the middle, per query head
             for k in self.ks:
@@ -181,8 +171,9 @@ def main() -> None:
     for mode in ("pre_rope", "post_rope"):
         artifact = patchkv.Artifact.load(Path(args.bases) / f"{mode}.safetensors").to_dtype(dtype)
         methods = [patchkv.LowRank(16), patchkv.SinksWindow(4, 32), patchkv.TopK(64, 8)]
-        with patchkv.patched(model, artifact, methods), Recorder(ranks, ks) as recorder, torch.no_grad():
+        with patchkv.patched(model, artifact, methods), Recorder(ranks, ks, model.model.layers[0].self_attn.scaling) as recorder, torch.no_grad():
             for ids in docs:
+                recorder.reset()
                 cache = patchkv.LatentCache(model)
                 for start in range(0, args.context, args.chunk):  # prefill: dense, nothing measured
                     model(input_ids=ids[:, start:min(start + args.chunk, args.context)], cache=cache, use_cache=True)

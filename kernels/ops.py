@@ -1,12 +1,15 @@
-"""Hot-path kernels: Triton on CUDA tensors (or under TRITON_INTERPRET=1), the PyTorch reference otherwise."""
+"""Hot-path kernels: the C++ CPU kernels on CPU tensors (`cpu.py`), Triton on CUDA tensors (or under
+TRITON_INTERPRET=1), the PyTorch reference otherwise (and whenever the C++ kernels are not built)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-from . import reference
+from . import cpu, reference
+from .reference import ComponentTable
 
 
 def _triton_for(x: torch.Tensor):
@@ -33,15 +36,99 @@ def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: t
     return impl.chunked_latent_scores(q_latent, bias, latents, groups, chunk)
 
 
-def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, paired: bool = False, turn: torch.Tensor | None = None) -> torch.Tensor:
-    """`[batch, heads, n, rank]` -> rotated keys `[batch, heads, n, head_dim]` (head dims in `reference.pair_order`
-    if `paired`; `turn`, the complex rotation, used by the reference only); see `reference`."""
-    impl = _triton_for(coeffs)
-    if impl is None:
-        return reference.reconstruct_rope(coeffs, basis, mean, cos, sin, paired, turn)
-    out = impl.reconstruct_rope(coeffs, basis, mean, cos, sin)
-    return out[..., reference.pair_order(out.shape[-1], out.device)] if paired else out
+# ----- attention over stored latents: C++ on CPU, the reference elsewhere -----------------------------------------
 
 
-__all__ = ["chunked_latent_scores", "latent_scores", "reconstruct_rope", "reference"]
+def _labelled(fn):
+    """Run under a `torch.profiler` label `patchkv::<name>` (C++ extension calls are invisible to the profiler
+    otherwise; `evals/profile_paths.py` reads these)."""
+    label = f"patchkv::{fn.__name__}"
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _cpu_for(x: torch.Tensor):
+    return cpu.extension() if x.device.type == "cpu" else None
+
+
+def _coeffs(latents: torch.Tensor, table: ComponentTable) -> torch.Tensor | None:
+    """Codes unpacked by the Triton kernel (CUDA), for the reference to continue from; None elsewhere."""
+    impl = _triton_for(latents) if latents.dtype == torch.uint8 else None
+    return impl.unpack(latents, table) if impl is not None else None
+
+
+def _rope_args(rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, like: torch.Tensor):
+    if rope is None:
+        empty = like.new_empty(0, dtype=torch.float32)
+        return empty, empty, like.new_empty(0, dtype=torch.int32), 0
+    cos, sin, positions, rot = rope
+    return cos, sin, positions.to(torch.int32).contiguous(), rot
+
+
+@_labelled
+def unpack(latents: torch.Tensor, table: ComponentTable) -> torch.Tensor:
+    """Stored latents `[batch, tokens, width]` -> float32 coefficients `[batch, heads, tokens, widest]`, table order;
+    see `reference.unpack`."""
+    ext = _cpu_for(latents)
+    if ext is None:
+        coeffs = _coeffs(latents, table)
+        return reference.unpack(latents, table) if coeffs is None else coeffs
+    return ext.unpack(latents.contiguous(), *table.kernel_args())
+
+
+@_labelled
+def reconstruct(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """Stored latents -> vectors `[batch, heads, tokens, head_dim]` in `dtype`, rotated when `rope` = (cos table,
+    sin table, positions `[batch, tokens]`, rotary dims) is given; see `reference.reconstruct`."""
+    ext = _cpu_for(latents)
+    cos, sin, positions, rot = _rope_args(rope, latents)
+    if ext is None:
+        return reference.reconstruct(latents, table, rows, mean, cos if rope else None, sin if rope else None,
+                                     positions if rope else None, rot, dtype, _coeffs(latents, table))
+    return ext.reconstruct(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, dtype)
+
+
+@_labelled
+def scores(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
+           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, q: torch.Tensor) -> torch.Tensor:
+    """float32 q `[batch, heads, groups, head_dim]` against every stored token (keys rebuilt, rotated when `rope`
+    is given) -> float32 `[batch, heads, groups, tokens]`; see `reference.scores`."""
+    ext = _cpu_for(latents)
+    cos, sin, positions, rot = _rope_args(rope, latents)
+    q = q.float().contiguous()
+    if ext is None:
+        return reference.scores(latents, table, rows, mean, cos if rope else None, sin if rope else None,
+                                positions if rope else None, rot, q, _coeffs(latents, table))
+    return ext.scores(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, q)
+
+
+@_labelled
+def weighted_sums(latents: torch.Tensor, table: ComponentTable, p: torch.Tensor) -> torch.Tensor:
+    """float32 weights `[batch, heads, groups, tokens]` -> `sum_t p_t c_t`, float32 `[batch, heads, groups, widest]`
+    in table order; see `reference.weighted_sums`."""
+    ext = _cpu_for(latents)
+    p = p.float().contiguous()
+    if ext is None:
+        return reference.weighted_sums(latents, table, p, _coeffs(latents, table))
+    return ext.weighted_sums(latents.contiguous(), *table.kernel_args(), p)
+
+
+@_labelled
+def encode(coeffs: torch.Tensor, table: ComponentTable, components: torch.Tensor, width: int) -> torch.Tensor:
+    """float32 coefficients `[batch, heads, tokens, max_rank]` -> fixed-rate codes uint8 `[batch, tokens, width]`;
+    see `reference.encode`."""
+    coeffs = coeffs.float().contiguous()
+    ext = _cpu_for(coeffs)
+    if ext is None:
+        return reference.encode(coeffs, table, components, width)
+    return ext.encode(coeffs, *table.kernel_args(), components.to(torch.int32).contiguous(), width)
+
+
+__all__ = ["ComponentTable", "chunked_latent_scores", "encode", "latent_scores", "reconstruct", "reference", "scores", "unpack",
+           "weighted_sums"]

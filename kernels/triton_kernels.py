@@ -54,45 +54,41 @@ def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) ->
 
 
 @triton.jit
-def _reconstruct_rope_kernel(c_ptr, basis_ptr, mean_ptr, cos_ptr, sin_ptr, out_ptr, n, rank, heads,
-                             sc_b, sc_h, sc_n, sb_h, sb_d, sm_h, sx_b, sx_h, sx_n, so_b, so_h, so_n,
-                             HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    bh = tl.program_id(0)
-    b, h = bh // heads, bh % heads
-    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, BLOCK_R)
-    d = tl.arange(0, HALF)
-    c = tl.load(c_ptr + b * sc_b + h * sc_h + i[:, None] * sc_n + r[None, :],
-                mask=(i[:, None] < n) & (r[None, :] < rank), other=0.0).to(tl.float32)
-    # basis rows for the two halves of the head dimension, as [rank, HALF] for the matmul
-    rows = basis_ptr + h * sb_h + r[:, None]
-    b1 = tl.load(rows + d[None, :] * sb_d, mask=r[:, None] < rank, other=0.0).to(tl.float32)
-    b2 = tl.load(rows + (d[None, :] + HALF) * sb_d, mask=r[:, None] < rank, other=0.0).to(tl.float32)
-    x1 = tl.dot(c, b1, input_precision="ieee") + tl.load(mean_ptr + h * sm_h + d).to(tl.float32)[None, :]
-    x2 = tl.dot(c, b2, input_precision="ieee") + tl.load(mean_ptr + h * sm_h + HALF + d).to(tl.float32)[None, :]
-    rot = b * sx_b + h * sx_h + i[:, None] * sx_n
-    m = i[:, None] < n
-    cos1 = tl.load(cos_ptr + rot + d[None, :], mask=m, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + rot + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + rot + d[None, :], mask=m, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + rot + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
-    out = out_ptr + b * so_b + h * so_h + i[:, None] * so_n
-    tl.store(out + d[None, :], x1 * cos1 - x2 * sin1, mask=m)  # rotate_half(x) = [-x2, x1]
-    tl.store(out + HALF + d[None, :], x2 * cos2 + x1 * sin2, mask=m)
+def _unpack_kernel(lat_ptr, byte_ptr, shift_ptr, mask_ptr, step_ptr, offset_ptr, wide_ptr, head_ptr, slot_ptr, out_ptr,
+                   tokens, width, comps, heads, widest, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    inside = t < tokens
+    for start in range(0, comps, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        real = c < comps
+        byte = tl.load(byte_ptr + c, mask=real, other=0)
+        wide = tl.load(wide_ptr + c, mask=real, other=0)
+        row = lat_ptr + (b * tokens + t[:, None]) * width
+        both = inside[:, None] & real[None, :]
+        low = tl.load(row + byte[None, :], mask=both, other=0).to(tl.int32)
+        high = tl.load(row + byte[None, :] + 1, mask=both & (wide[None, :] != 0), other=0).to(tl.int32)
+        shift = tl.load(shift_ptr + c, mask=real, other=0)
+        value = ((low | (high << 8)) >> shift[None, :]) & tl.load(mask_ptr + c, mask=real, other=0)[None, :]
+        coeff = value.to(tl.float32) * tl.load(step_ptr + c, mask=real, other=0.0)[None, :] + \
+            tl.load(offset_ptr + c, mask=real, other=0.0)[None, :]
+        head = tl.load(head_ptr + c, mask=real, other=0)
+        slot = tl.load(slot_ptr + c, mask=real, other=0)
+        tl.store(out_ptr + ((b * heads + head[None, :]) * tokens + t[:, None]) * widest + slot[None, :], coeff,
+                 mask=both)
 
 
-def reconstruct_rope(coeffs: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
-    batch, heads, n, rank = coeffs.shape
-    dim = basis.shape[1]
-    coeffs, basis, mean = coeffs.contiguous(), basis.contiguous(), mean.contiguous()
-    cos, sin = cos.expand(batch, heads, n, dim).contiguous(), sin.expand(batch, heads, n, dim).contiguous()
-    out = torch.empty(batch, heads, n, dim, device=coeffs.device, dtype=torch.float32)
-    block_n, block_r = 32, max(16, triton.next_power_of_2(rank))  # tl.dot needs every dimension >= 16
-    grid = (batch * heads, triton.cdiv(n, block_n))
-    _reconstruct_rope_kernel[grid](
-        coeffs, basis, mean, cos, sin, out, n, rank, heads,
-        coeffs.stride(0), coeffs.stride(1), coeffs.stride(2), basis.stride(0), basis.stride(1), mean.stride(0),
-        cos.stride(0), cos.stride(1), cos.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HALF=dim // 2, BLOCK_N=block_n, BLOCK_R=block_r)
-    return out.to(coeffs.dtype)
+def unpack(latents: torch.Tensor, table) -> torch.Tensor:
+    """uint8 codes `[batch, tokens, width]` -> float32 coefficients `[batch, heads, tokens, widest]` in table order
+    (`reference.unpack`; float latents are a gather, left to the reference)."""
+    batch, tokens, width = latents.shape
+    latents = latents.contiguous()
+    out = torch.zeros(batch, table.heads, tokens, table.widest, device=latents.device, dtype=torch.float32)
+    comps = table.byte.numel()
+    if comps and tokens:
+        block_t = 32
+        _unpack_kernel[(batch, triton.cdiv(tokens, block_t))](
+            latents, table.byte, table.shift, table.mask, table.step, table.offset, table.wide, table.head, table.slot,
+            out, tokens, width, comps, table.heads, table.widest, BLOCK_T=block_t,
+            BLOCK_C=min(64, triton.next_power_of_2(comps)))
+    return out

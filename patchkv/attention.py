@@ -4,17 +4,15 @@ It mirrors `LlamaAttention.forward` in `transformers` with everything architectu
 adapter, and these changes:
 
 1. q, k, v come out of the adapter un-rotated; the mode puts them in cache space (`patchkv.modes`);
-2. the layer of the `LatentCache` appends the new tokens exact (sinks, then the recent region) and records
-   their true positions; after attention it encodes what has left the window with the plan's codec;
-3. if the plan has a selector and this is a decode step, each KV head keeps its best-scoring latent tokens;
-4. the model's own attention function runs on what the mode prepares: keys whose dot products with the
-   queries are the true scores, and values augmented as `[exact v | latent c | 1]`, in the mode's
-   `compute_dtype` (float32 on CPU for half-precision models);
-5. outputs are decoded once per query: `sum_j p_j v_j + basis @ (sum_j p_j c_j) + (sum_j p_j) mean`.
-
-A decode step (one query per sequence, no dropout, softcap or returned weights) skips the augmented copies
-(`grouped_decode`): the mode scores each region directly (latent tokens in the latent space), one softmax
-runs over all of them, and the same sum is taken region by region, each KV head's query heads in one product.
+2. the layer of the `LatentCache` takes the new tokens exact at their true positions (`LatentLayer.update`);
+3. a forward of several queries reads the visible tokens dense, the middle rebuilt from what the cache stores
+   (keys rotated by their true positions in pre-RoPE mode), and runs the model's own attention function
+   (sdpa or eager, with the family's masks, scaling, softcap and sliding window) on ordinary tensors;
+4. a decode step (one query per sequence, no dropout, softcap or returned weights) reads the middle straight
+   from the stored codes (`decode_attention`): scores region by region (`Mode.middle_scores`), one softmax,
+   values summed in the latent space, `sum_j p_j v_j + U (sum_j p_j c_j) + (sum_j p_j) mean`;
+5. if the plan has a selector (top-k) a decode step attends only to each KV head's best-scoring latent tokens;
+6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .cache import LatentCache, LatentLayer
+from .cache import LatentCache, LatentLayer, dense
 from .context import LayerPatch
 from .errors import PatchKVError
-from .latent import augmented
-from .modes import Visible, compute_dtype
+from .kernels import ops as kernels
+from .modes import Visible, grouped_scores
 
 
 class LatentForward:
@@ -62,8 +60,24 @@ def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
     if positions is None:
         positions = torch.arange(seq, device=q.device).unsqueeze(0) + layer.get_seq_length()
     q, k = mode.to_cache_space(lp, q, k, cos, sin)
-    layer.append(k, v, positions.expand(batch, seq), lp)
-    out, weights = _attend(attn, lp, layer, q, cos, sin, attention_mask, kwargs)
+    seen = layer.update_latent(k, v, positions.expand(batch, seq))
+    queries = mode.queries(lp, q, cos, sin)
+    scaling = adapter.scaling(attn)
+    weights, chosen = None, None
+    selector = lp.patch.plan.selector
+    if selector is not None and lp.sliding_window is None and selector.applies(seq, seen.middle_len):
+        with torch.profiler.record_function("patchkv::select"):
+            chosen, attention_mask = select(lp, queries, seen, attention_mask)
+    if decode_applies(attn, lp, q, kwargs):
+        with torch.profiler.record_function("patchkv::decode_attention"):
+            out = decode_attention(lp, queries, seen, attention_mask, scaling, chosen)
+    else:
+        with torch.profiler.record_function("patchkv::dense_operands"):
+            keys, values = dense(lp, seen, q.dtype, chosen)
+        with torch.profiler.record_function("patchkv::attention_function"):
+            out, weights = adapter.attention_function(attn)(
+                attn, queries, keys, values, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                scaling=scaling, **{**kwargs, **adapter.attention_kwargs(attn)})
     layer.after_attention()
     if isinstance(cache, LatentCache):
         cache.done(lp.layer_idx)
@@ -73,7 +87,7 @@ def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
 def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:
     if cache is None:  # use_cache=False: a throwaway layer for this forward
         plan = lp.patch.plan
-        return LatentLayer(plan.sink_tokens, plan.window, lp.sliding_window)
+        return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window)
     if not isinstance(cache, LatentCache):
         raise PatchKVError(f"A patched model got a {type(cache).__name__}; it stores latents in a patchkv.LatentCache. "
                            "Pass cache=patchkv.LatentCache(model), or no cache (generate() makes one).")
@@ -90,92 +104,90 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
     return mask.float()
 
 
-def _attend(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q `[batch, heads, s, d]` in cache space -> (`[batch, s, heads, d]`, weights or None)."""
-    patch = lp.patch
-    regions, positions = layer.regions(q.shape[2])
-    ns, nm, nr = (regions[f"{r}_keys"].shape[2] for r in ("sink", "latent", "recent"))
-    sink_pos, middle_pos, recent_pos = positions.split([ns, nm, nr], dim=1)
-    key_coeffs, value_coeffs = lp.keys.decode(regions["latent_keys"]), lp.values.decode(regions["latent_values"])
-    selector = patch.plan.selector
-    if selector is not None and not layer.is_sliding and selector.applies(q.shape[2], nm):
-        rank = min(selector.rank or lp.keys.basis.max_rank, lp.keys.basis.max_rank)
-        scores = patch.mode.approximate_scores(lp, q, cos, sin, key_coeffs[..., :rank], middle_pos)
-        if mask is not None:
-            scores = scores + _additive(mask)[:, :, -1, ns:ns + nm]
-        chosen = selector.select(scores, lp.keys.basis.query_groups)  # [batch, kv_heads, k]
-        key_coeffs, value_coeffs = (c.gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, c.shape[-1]))
-                                    for c in (key_coeffs, value_coeffs))
-        middle_pos = middle_pos.unsqueeze(1).expand(-1, chosen.shape[1], -1).gather(2, chosen)
-        if mask is not None:
-            mask = _select_columns(mask, chosen, ns, nm, nr, lp.keys.basis.query_groups)
-    seen = Visible(regions["sink_keys"], regions["sink_values"], regions["recent_keys"], regions["recent_values"],
-                   key_coeffs, value_coeffs, sink_pos, middle_pos, recent_pos)
-    if grouped_decode_applies(attn, lp, q, kwargs):
-        return grouped_decode(lp, q, cos, sin, seen, mask, patch.adapter.scaling(attn)), None
-    work = compute_dtype(q)
-    queries, keys = patch.mode.score_operands(lp, q, cos, sin, seen)
-    values, has_exact, has_latent = augmented(seen.sink_values.to(work), value_coeffs.to(work),
-                                              seen.recent_values.to(work))
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(work)
-    out, weights = patch.adapter.attention_function(attn)(
-        attn, queries, keys, values, mask, dropout=attn.attention_dropout if attn.training else 0.0,
-        scaling=patch.adapter.scaling(attn), **{**kwargs, **patch.adapter.attention_kwargs(attn)})
-    return _decode_values(lp, out.to(q.dtype), has_exact, has_latent, q.shape[-1]), weights
-
-
-def grouped_decode_applies(attn: nn.Module, lp: LayerPatch, q: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """A decode step (one query per sequence) attends by `grouped_decode` unless the model's attention function
+def decode_applies(attn: nn.Module, lp: LayerPatch, q: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """A decode step (one query per sequence) attends by `decode_attention` unless the model's attention function
     would add something to softmax(q.k * scaling + mask) v: dropout, a logit softcap, returned weights."""
     return (q.shape[2] == 1 and not attn.training and not kwargs.get("output_attentions")
             and set(lp.patch.adapter.attention_kwargs(attn)) <= {"sliding_window"})
 
 
-def grouped_decode(lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seen: Visible,
-                   mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """One decode step's attention without augmented features: true scores region by region (the mode's
-    `decode_scores`, latent tokens in the latent space), one softmax (`decode_weights`), then the weighted sum
-    of exact values and, for latent ones, `U (sum_j p_j c_j) + (sum_j p_j) mean` (`weighted_values`), each KV
-    head's query heads in one product. q `[batch, heads, 1, d]` in cache space -> `[batch, 1, heads, d]`, as the
-    attention function returns it."""
-    scores = lp.patch.mode.decode_scores(lp, q, cos, sin, seen)
-    return weighted_values(lp, decode_weights(scores, mask, scaling), seen, q.dtype)
+def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | None, scaling: float,
+                     chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One decode step's attention, the middle read from what the cache stores. q `[batch, heads, 1, d]` as the
+    mode's `queries` returns it; mask `[batch, 1 or heads, 1, >= n]` as the attention functions take it ->
+    `[batch, 1, heads, d]` in q's dtype, as the attention function returns it.
+
+    Scores: sinks and window exact, the middle by the mode (`middle_scores`: keys rebuilt and rotated in
+    registers, or in the latent space); one softmax in float32; values: exact ones weighted as they are, latent
+    ones summed in the latent space (`kernels.weighted_sums`) and decoded once per query head. `chosen`: the
+    middle cut to each KV head's selected tokens by top-k (`select`; the mask is cut alike)."""
+    batch, heads = q.shape[:2]
+    kv_heads = lp.keys.basis.heads
+    mode = lp.patch.mode
+    qg = q.float().reshape(batch, kv_heads, heads // kv_heads, -1)  # each KV head's query heads together
+    # (scores, values) region by region in position order; values None: the middle, summed in the latent space
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    if seen.sink_keys.shape[2]:
+        parts.append((grouped_scores(qg, mode.exact_keys(lp, seen.sink_keys.float(), seen.sink_positions)),
+                      seen.sink_values))
+    if chosen is not None:
+        parts.append((grouped_scores(qg, chosen[0]), chosen[1]))
+    elif seen.middle_len:
+        parts.append((mode.middle_scores(lp, seen, qg), None))
+    if seen.recent_keys.shape[2]:
+        parts.append((grouped_scores(qg, mode.exact_keys(lp, seen.recent_keys.float(), seen.recent_positions)),
+                      seen.recent_values))
+    p = decode_weights(torch.cat([s for s, _ in parts], dim=-1), mask, scaling)
+    out = 0.0
+    for (_, values), weights in zip(parts, p.split([s.shape[-1] for s, _ in parts], dim=-1)):
+        if values is not None:
+            out = out + weights @ values.float()
+            continue
+        codec = lp.values
+        sums = kernels.weighted_sums(seen.middle_values, codec.table, weights)  # [batch, kv_heads, groups, widest]
+        out = out + sums @ codec.padded_rows + weights.sum(-1, keepdim=True) * codec.kernel_mean.unsqueeze(1)
+    return out.reshape(batch, 1, heads, -1).to(q.dtype)
 
 
 def decode_weights(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Scores `[batch, kv_heads, groups, n]` -> attention weights (same shape and dtype): softmax, in float32, of
-    scores * scaling + mask; mask `[batch, 1 or heads, 1, >= n]`, its first n columns, as the attention
-    functions take them."""
-    scores = scores * scaling
+    """Scores `[batch, kv_heads, groups, n]` -> float32 attention weights (same shape): softmax of scores * scaling
+    + mask; mask `[batch, 1 or heads, 1, >= n]`, its first n columns, as the attention functions take them (or
+    `[batch, heads, 1, n]` from `select`)."""
+    scores = scores.float() * scaling
     batch, kv_heads, groups, n = scores.shape
     if mask is not None:
         m = _additive(mask[..., :n])
         scores = scores + (m.view(m.shape[0], kv_heads, groups, n) if m.shape[1] > 1 else m)
-    return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+    return scores.softmax(-1)
 
 
-def weighted_values(lp: LayerPatch, p: torch.Tensor, seen: Visible, dtype: torch.dtype) -> torch.Tensor:
-    """Weights `[batch, kv_heads, groups, n]` over sinks, middle and window -> `[batch, 1, heads, d]` in `dtype`:
-    exact values weighted as they are, latent ones in the latent space, decoded once."""
-    batch, kv_heads, groups, n = p.shape
-    work = p.dtype
-    ns, nm = seen.sink_values.shape[2], seen.value_coeffs.shape[2]
-    p_sink, p_middle, p_recent = p.split([ns, nm, n - ns - nm], dim=-1)
-    out = None
-    for weights, values in ((p_sink, seen.sink_values), (p_recent, seen.recent_values)):
-        if weights.shape[-1]:
-            part = weights @ values.to(work)  # [batch, kv_heads, groups, d]
-            out = part if out is None else out + part
-    if nm:
-        basis = lp.values.basis
-        coeffs = (p_middle @ seen.value_coeffs.to(work)).reshape(batch, kv_heads * groups, 1, -1)
-        latent = coeffs @ basis.query_basis.to(work).transpose(1, 2) + p_middle.sum(-1).reshape(
-            batch, -1, 1, 1) * basis.query_mean.to(work).unsqueeze(1)
-        latent = latent.view(batch, kv_heads, groups, -1)
-        out = latent if out is None else out + latent
-    return out.reshape(batch, 1, kv_heads * groups, -1).to(dtype)
+def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | None
+           ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """Top-k at a decode step: each KV head's best-scoring middle tokens by the selector's approximate scores (q
+    `[batch, heads, 1, d]` as the mode's `queries` returns it) -> (their keys as attention reads them, their
+    values), float32 `[batch, kv_heads, k, d]` each, and the mask cut to sinks, chosen tokens and window."""
+    selector, mode = lp.patch.plan.selector, lp.patch.mode
+    codecs = lp.keys, lp.values
+    rank = min(selector.rank or codecs[0].basis.max_rank, codecs[0].basis.max_rank)
+    coeffs = codecs[0].decode(seen.middle_keys.unsqueeze(1))[..., :rank]
+    scores = mode.approximate_scores(lp, q, coeffs, seen.middle_positions)  # [batch, heads, m]
+    ns, nm, nr = seen.sink_keys.shape[2], seen.middle_len, seen.recent_keys.shape[2]
+    if mask is not None:
+        scores = scores + _additive(mask)[:, :, -1, ns:ns + nm]
+    groups = codecs[0].basis.query_groups
+    chosen = selector.select(scores, groups)  # [batch, kv_heads, k]
+    batch, kv_heads, k = chosen.shape
+    positions = seen.middle_positions.unsqueeze(1).expand(-1, kv_heads, -1).gather(2, chosen)
+    picked = []
+    for codec, stored in zip(codecs, (seen.middle_keys, seen.middle_values)):
+        # the chosen rows of every head, decoded, then each head's own: [batch, kv_heads, k, width] -> vectors
+        rows = stored.gather(1, chosen.reshape(batch, -1, 1).expand(-1, -1, stored.shape[-1]))
+        vectors = kernels.reconstruct(rows, codec.table, codec.rows, codec.kernel_mean, None, torch.float32)
+        picked.append(vectors.view(batch, kv_heads, kv_heads, k, -1).diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2))
+    keys = mode.exact_keys(lp, picked[0], positions)
+    if mask is not None:
+        mask = _select_columns(mask, chosen, ns, nm, nr, groups)
+    return (keys, picked[1]), mask
 
 
 def _select_columns(mask: torch.Tensor, chosen: torch.Tensor, ns: int, nm: int, nr: int, groups: int) -> torch.Tensor:
@@ -188,14 +200,3 @@ def _select_columns(mask: torch.Tensor, chosen: torch.Tensor, ns: int, nm: int, 
     columns = columns.repeat_interleave(groups, dim=1).unsqueeze(2)  # [batch, heads, 1, n]
     mask = mask[..., -(ns + nm + nr):].expand(batch, kv_heads * groups, 1, -1)
     return mask.gather(3, columns)
-
-
-def _decode_values(lp: LayerPatch, out: torch.Tensor, has_exact: bool, has_latent: bool, dim: int) -> torch.Tensor:
-    """Attention output over augmented values `[batch, s, heads, D]` -> `[batch, s, heads, head_dim]`."""
-    if not has_latent:
-        return out
-    basis = lp.values.basis
-    latent = out[..., dim:] if has_exact else out
-    coeffs, weight = latent[..., : basis.max_rank], latent[..., basis.max_rank:]
-    decoded = basis.decode_query_heads(coeffs.transpose(1, 2)).transpose(1, 2) + weight * basis.query_mean
-    return out[..., :dim] + decoded if has_exact else decoded

@@ -8,14 +8,23 @@ pre-RoPE mode, rotated in post-RoPE mode):
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
 
 Unused regions are zero-sized, so there is one layout and one code path. A forward's own tokens are read
-exact, as transformers' `QuantizedCache` does, and so is the window of `window` tokens before them: `append`
-adds the new tokens to the recent region and encodes nothing, attention reads them there, and
-`after_attention` encodes whatever has left the window into the middle. Between forwards a layer holds
-exactly the sinks, the middle's latents and the last `window` tokens; later forwards read the middle from
-its latents. The cache also
-records the true position of every token (`positions`, `[batch, seen]`, once for all layers), by which
-pre-RoPE mode rotates reconstructed keys: static position schemes, gaps in `position_ids` and left padding
-are all exact.
+exact, as transformers' `QuantizedCache` does, and so is the window of `window` tokens before them.
+
+The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
+
+- `update(key_states, value_states, {"positions": ...})` adds the new tokens to the recent region (the first
+  ones fill the sinks) and returns the keys and values attention reads, `[batch, kv_heads, n, head_dim]`:
+  exact regions as they are, the middle rebuilt from what is stored (and, pre-RoPE, every key rotated by its
+  true position), in the dtype of the new keys (the model's);
+- `update_latent(...)`, the latent variant, returns the same tokens as a `patchkv.modes.Visible`: exact
+  regions and the middle *as stored*, for attention that reads codes directly (decode steps, top-k);
+- `after_attention()` encodes whatever has left the window into the middle (with the layer's codecs).
+
+Between forwards a layer holds exactly the sinks, the middle's latents and the last `window` tokens; later
+forwards read the middle from its latents. The cache also records the true position of every token
+(`positions`, `[batch, seen]`, once for all layers), by which pre-RoPE mode rotates rebuilt keys: static
+position schemes, gaps in `position_ids` and left padding are all exact. Each layer is built with its
+`LayerPatch` (codecs, mode, rotary table), as `QuantizedLayer` gets its settings.
 
 A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
 and a patched model refuses a cache written under another patch. An unpatched model writing into it
@@ -30,7 +39,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .context import LayerPatch
 from .errors import PatchKVError
+from .modes import Visible, rebuild
 
 REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values")
 
@@ -72,10 +83,11 @@ class LatentLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
+    def __init__(self, patch: LayerPatch, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
                  track: PositionTrack | None = None):
         # CacheLayerMixin.__init__ would assign .keys/.values, which are read-only views here
         self.is_initialized = False
+        self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
         self.sink_tokens, self.window = (0, 0) if sliding_window is not None else (sink_tokens, window)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -83,19 +95,34 @@ class LatentLayer(CacheLayerMixin):
         self.tensors: dict[str, torch.Tensor] = {}
         self.cumulative_length = 0
         self.record_past = False
-        self.patch = None  # the LayerPatch that wrote it: decodes the `keys`/`values` views
         self.device: torch.device | None = None
 
+    # ----- the layer contract -------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add keys and values `[batch, kv_heads, n, head_dim]` (in cache space) at the true positions
+        `cache_kwargs["positions"]` `[batch, n]`; returns the keys and values attention reads, `[batch, kv_heads,
+        visible, head_dim]` in key_states' dtype (see the module doc)."""
+        positions = (cache_kwargs or {}).get("positions")
+        if positions is None:
+            raise PatchKVError(_UNPATCHED_WRITE)
+        return dense(self.patch, self.update_latent(key_states, value_states, positions), key_states.dtype)
+
+    def update_latent(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> Visible:
+        """`update`'s latent variant: the visible tokens with the middle as stored (see the module doc)."""
+        self.append(key_states, value_states, positions)
+        return self.visible(key_states.shape[2])
+
     # ----- writing ----------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, patch) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`, exact (the
         first tokens seen fill the sinks, the others join the recent region until `after_attention`)."""
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
             self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS if not name.startswith("latent")}
-            for name, codec in zip(("latent_keys", "latent_values"), (patch.keys, patch.values)):
+            for name, codec in zip(("latent_keys", "latent_values"), (self.patch.keys, self.patch.values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
-            self.device, self.is_initialized, self.patch = keys.device, True, patch
+            self.device, self.is_initialized = keys.device, True
         t = self.tensors
         room = max(0, self.sink_tokens - t["sink_keys"].shape[2])
         for kind, x in (("keys", keys), ("values", values)):
@@ -110,12 +137,18 @@ class LatentLayer(CacheLayerMixin):
         t = self.tensors
         leaving = t["recent_keys"].shape[2] - self.window
         if leaving > 0:
+            with torch.profiler.record_function("patchkv::encode"):
+                self._encode(leaving)
+        if self.is_sliding and not self.record_past:
+            self._keep_last(self.sliding_window - 1)
+
+    def _encode(self, leaving: int) -> None:
+        t = self.tensors
+        if leaving > 0:
             for kind in ("keys", "values"):
                 encoded = getattr(self.patch, kind).encode(t[f"recent_{kind}"][:, :, :leaving])
                 t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
                 t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
-        if self.is_sliding and not self.record_past:
-            self._keep_last(self.sliding_window - 1)
 
     def _keep_last(self, n: int) -> None:
         for name in ("latent_keys", "latent_values"):
@@ -127,18 +160,22 @@ class LatentLayer(CacheLayerMixin):
         """Tokens held (all of them, or the last ones of a sliding layer)."""
         return sum(self.tensors[n].shape[2] for n in ("sink_keys", "latent_keys", "recent_keys")) if self.tensors else 0
 
-    def regions(self, query_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """What attention sees after `append`: the region tensors and the true positions of their tokens
-        `[batch, n]`, n = sinks + middle + recent (the window before this forward and its own tokens; for a
-        sliding layer, the last `window - 1 + query_len`)."""
-        t = dict(self.tensors)
+    def visible(self, query_len: int) -> Visible:
+        """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and recent region
+        (the window before this forward and its own tokens) with their true positions; for a sliding layer, the
+        last `window - 1 + query_len` tokens."""
+        t = self.tensors
         kept = self.kept
+        latent = {name: t[name] for name in ("latent_keys", "latent_values")}
         if self.is_sliding:
             kept = min(kept, self.sliding_window - 1 + query_len)
             middle = kept - t["recent_keys"].shape[2]  # the recent region holds this forward's tokens, all visible
-            for name in ("latent_keys", "latent_values"):
-                t[name] = t[name][:, :, t[name].shape[2] - middle:]
-        return t, self._positions(kept)
+            latent = {name: x[:, :, x.shape[2] - middle:] for name, x in latent.items()}
+        ns, nr = t["sink_keys"].shape[2], t["recent_keys"].shape[2]
+        sink_pos, middle_pos, recent_pos = self._positions(kept).split([ns, kept - ns - nr, nr], dim=1)
+        return Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
+                       latent["latent_keys"].squeeze(1), latent["latent_values"].squeeze(1), sink_pos, middle_pos,
+                       recent_pos)
 
     def _positions(self, kept: int) -> torch.Tensor:
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
@@ -167,7 +204,7 @@ class LatentLayer(CacheLayerMixin):
             return None
         codec = getattr(self.patch, kind)
         t = self.tensors
-        middle = codec.basis.reconstruct(codec.decode(t[f"latent_{kind}"])).to(t[f"sink_{kind}"].dtype)
+        middle = rebuild(codec, t[f"latent_{kind}"].squeeze(1), t[f"sink_{kind}"].dtype)
         full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
         if kind == "keys":
             full = self.patch.patch.mode.cached_keys_as_rotated(self.patch, full, self._positions(self.kept))
@@ -188,9 +225,6 @@ class LatentLayer(CacheLayerMixin):
 
     # ----- the CacheLayerMixin interface ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise PatchKVError(_UNPATCHED_WRITE)
-
-    def update(self, key_states, value_states, *args, **kwargs):
         raise PatchKVError(_UNPATCHED_WRITE)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -277,14 +311,19 @@ class LatentCache(Cache):
                                "first (an unpatched model uses transformers' DynamicCache).")
         self.track = PositionTrack()
         plan = patch.plan
-        layers = [LatentLayer(plan.sink_tokens, plan.window, window, self.track) for window in patch.sliding_windows]
+        layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track) for lp in patch.layers]
         super().__init__(layers=layers)
         self.offload_layers = offloading
         self.fingerprint = patch.fingerprint
         self.plan_description = plan.describe() or "lowrank"
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        raise PatchKVError(_UNPATCHED_WRITE)
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs: dict | None = None, *args, **kwargs):
+        """The `Cache` contract: layer `layer_idx`'s `LatentLayer.update`, which needs the tokens' true positions in
+        `cache_kwargs["positions"]` (the patched attention passes them); any other writer (an unpatched model)
+        gets a `PatchKVError`."""
+        if (cache_kwargs or {}).get("positions") is None:
+            raise PatchKVError(_UNPATCHED_WRITE)
+        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
 
     def layer(self, layer_idx: int) -> LatentLayer:
         """The layer the patched attention writes to, brought back to its device if offloaded."""
@@ -336,3 +375,29 @@ class LatentCache(Cache):
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}, "
                          f"window {layer.window_len}, {layer.nbytes()} bytes")
         return "\n".join(lines)
+
+
+def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
+          chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The visible tokens as attention reads them: keys (rotated as the mode wants, the middle rebuilt from what is
+    stored) and values, `[batch, kv_heads, n, head_dim]` in `dtype`, sinks, middle and window in position order.
+    chosen: the middle's keys and values replaced by each KV head's selected tokens (top-k)."""
+    mode = lp.patch.mode
+    if chosen is not None:
+        middle_keys, middle_values = (x.to(dtype) for x in chosen)
+    elif seen.middle_len:
+        middle_keys, middle_values = mode.middle_keys(lp, seen, dtype), rebuild(lp.values, seen.middle_values, dtype)
+    else:
+        middle_keys = middle_values = None
+    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys,
+            mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
+    values = [seen.sink_values.to(dtype), middle_values, seen.recent_values.to(dtype)]
+    return _joined(keys), _joined(values)
+
+
+def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """Concatenate along the token axis, skipping empty parts (no copy when one part holds every token)."""
+    kept = [p for p in parts if p is not None and p.shape[2]]
+    if not kept:
+        return next(p for p in parts if p is not None)
+    return kept[0] if len(kept) == 1 else torch.cat(kept, dim=2)

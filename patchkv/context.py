@@ -27,6 +27,8 @@ class Patch:
     artifact: Any  # patchkv.Artifact
     fingerprint: str
     sliding_windows: list[int | None]
+    #: one per attention layer, in order (`LatentCache` builds each of its layers with one)
+    layers: list[LayerPatch] = field(default_factory=list)
     decoder_hook_id: int | None = None
     #: instance attributes `apply` replaced (None where there was none), put back by `remove`
     restore: dict[str, Any] = field(default_factory=dict)

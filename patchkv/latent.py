@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels.reference import ComponentTable
+
 
 class LatentBasis:
     """Truncated PCA basis for keys or values of one layer.
@@ -59,28 +61,31 @@ class LatentBasis:
             return out.to(coeffs.dtype)
         return coeffs @ self.basis.transpose(1, 2) + self.mean.unsqueeze(1)
 
-    def project_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries `[batch, heads, seq, head_dim]` onto their KV head's basis -> `[batch, heads, seq, max_rank]`.
-        `q . (mean + basis c) = project_queries(q) . c + mean_scores(q)`."""
-        return q @ self.query_basis
-
-    def mean_scores(self, q: torch.Tensor) -> torch.Tensor:
-        """q `[batch, heads, seq, head_dim]` -> `q . mean` of its KV head, `[batch, heads, seq, 1]`."""
-        return (q * self.query_mean.unsqueeze(1)).sum(-1, keepdim=True)
-
-    def decode_query_heads(self, coeffs: torch.Tensor) -> torch.Tensor:
-        """Coefficients per query head `[batch, heads, n, max_rank]` -> `basis @ c` per head, `[batch, heads, n,
-        head_dim]`, without the mean (attention outputs add `weight * mean` themselves)."""
-        return coeffs @ self.query_basis.transpose(1, 2)
-
 
 class Codec:
-    """How a layer's coefficients are stored. Subclasses set `width` and `stored_dtype` and implement
-    `encode`/`decode`; `basis` is the `LatentBasis` the coefficients live on."""
+    """How a layer's coefficients are stored. Subclasses set `width` and `stored_dtype`, implement `encode`,
+    and describe their stored form to the kernels with `set_table` (`patchkv.kernels`: attention reads the
+    middle from what is stored, never from a decoded copy); `basis` is the `LatentBasis` the coefficients
+    live on.
+
+    After `set_table`: `table` (a `ComponentTable`), `rows` float32 `[C, head_dim]` (the basis vector of each
+    stored component, table order), `kernel_mean` float32 `[kv_heads, head_dim]`, `padded_rows` float32
+    `[kv_heads, widest, head_dim]` (each head's rows, zero past its last)."""
 
     basis: LatentBasis
     width: int
     stored_dtype: torch.dtype
+    table: ComponentTable
+
+    def set_table(self, table: ComponentTable, components: torch.Tensor) -> None:
+        basis = self.basis
+        self.table, self.components = table, components.long()
+        head = torch.div(self.components, basis.max_rank, rounding_mode="floor")
+        self.rows = basis.basis.float()[head, :, self.components % basis.max_rank].contiguous()
+        self.kernel_mean = basis.mean.float().contiguous()
+        padded = self.rows.new_zeros(basis.heads * table.widest, basis.head_dim)
+        padded[(table.head * table.widest + table.slot).long()] = self.rows
+        self.padded_rows = padded.view(basis.heads, table.widest, basis.head_dim)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Vectors `[batch, kv_heads, seq, head_dim]` -> stored form `[batch, 1, seq, width]`."""
@@ -92,6 +97,9 @@ class Codec:
 
     def to(self, device: torch.device) -> Codec:
         self.basis.to(device)
+        for name in ("rows", "kernel_mean", "padded_rows", "components"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.table = self.table.to(device)
         return self
 
     def bytes_per_token(self) -> int:
@@ -112,6 +120,8 @@ class PackedCodec(Codec):
         self.pack_index = basis.keep.flatten().nonzero().squeeze(1)
         self.unpack_index = torch.full((basis.heads * basis.max_rank,), self.width, dtype=torch.long)
         self.unpack_index[self.pack_index] = torch.arange(self.width)
+        self.set_table(ComponentTable.build(basis.heads, basis.max_rank, self.pack_index, torch.arange(self.width)),
+                       self.pack_index)
 
     def to(self, device: torch.device) -> PackedCodec:
         super().to(device)
@@ -132,25 +142,3 @@ class PackedCodec(Codec):
         if not self.uniform:
             flat = F.pad(flat, (0, 1)).index_select(-1, self.unpack_index)
         return flat.reshape(b, s, self.basis.heads, self.basis.max_rank).transpose(1, 2)
-
-
-def augmented(before: torch.Tensor, latent: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
-    """Exact rows `before`, `after` `[batch, kv_heads, n, d]` around latent rows `latent` `[batch, kv_heads, m, r]`
-    -> one tensor in position order with features `[exact d | latent r | 1]`: exact rows `[x, 0, 0]`, latent rows
-    `[0, c, 1]`. Blocks of features no row uses are left out. Returns (rows, has_exact, has_latent).
-
-    Dotted with `[q | q @ basis | q . mean]` this gives q . x for exact rows and q . (mean + basis c) for latent
-    ones; weighted sums of value rows give the exact part, the latent part and the weight of the mean."""
-    has_exact = before.shape[2] + after.shape[2] > 0
-    has_latent = latent.shape[2] > 0
-    if not has_latent:
-        return torch.cat([before, after], dim=2), has_exact, has_latent
-    ones = latent.new_ones(*latent.shape[:3], 1)
-    middle = torch.cat([latent, ones], dim=-1)
-    if not has_exact:
-        return middle, has_exact, has_latent
-    d, r = before.shape[-1], latent.shape[-1]
-    middle = torch.cat([middle.new_zeros(*latent.shape[:3], d), middle], dim=-1)
-    before = torch.cat([before, before.new_zeros(*before.shape[:3], r + 1)], dim=-1)
-    after = torch.cat([after, after.new_zeros(*after.shape[:3], r + 1)], dim=-1)
-    return torch.cat([before, middle, after], dim=2), has_exact, has_latent

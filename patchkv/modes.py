@@ -1,27 +1,27 @@
 """The two ways keys enter the latent cache, one small class each, behind one interface.
 
 - `PreRoPE`: keys are projected before the rotary embedding, where they are most compressible. At attention
-  time cached keys are reconstructed and rotated by their true positions (recorded by the cache).
-- `PostRoPE`: rotated keys are projected. Queries are projected onto the same basis, so scores against
-  latent tokens are computed in the latent space and keys are never reconstructed.
+  time cached keys are rebuilt and rotated by their true positions (recorded by the cache).
+- `PostRoPE`: rotated keys are projected. Decode steps score latent tokens in the latent space (the query
+  projected on the basis), so keys are never rebuilt there.
 
-Values are the same in both modes (see `patchkv.attention`). Exact tokens (sinks, window) and latent tokens
-are scored together by augmenting features, `[exact dims | latent dims | 1]`, so any attention function
-(eager, sdpa) sees one key tensor whose dot products are the true scores, mean term included.
+Values are the same in both modes. Attention reads the middle from what the cache stores (codes or packed
+floats) through `patchkv.kernels`, never from a decoded copy kept between forwards:
 
-At a decode step (`patchkv.attention.grouped_decode`) the mode scores each region directly instead
-(`decode_scores`), with no augmented copy: post-RoPE latent tokens in the latent space, pre-RoPE middle keys
-rebuilt with each rotated pair of dims adjacent (`kernels.reference.pair_order`, one complex product per pair)
-and dotted with the query in that same order.
+- a forward of several queries (prefill, chunked scoring) gets dense keys and values for the middle,
+  rebuilt (and rotated) once per forward by `kernels.reconstruct`, and runs the model's own attention
+  function on ordinary tensors (`middle_keys`);
+- a decode step scores the middle straight from the stored codes (`middle_scores`: `kernels.scores` rebuilds
+  and rotates each key in registers; post-RoPE scores in the latent space) and sums values in the latent space
+  (`patchkv.attention.decode_attention`).
 
-Attention operands are built in `compute_dtype`: float32 on CPU for half-precision models (CPU attention
-kernels run several times faster in float32 than in bfloat16, and the patched operands are small), the
-model's dtype elsewhere.
+Dense operands are in the model's dtype, as the unpatched model computes attention; a decode step scores and
+sums in float32 (the kernels accumulate in float32 whatever the stored dtype).
 
 Top-k selection scores candidates approximately (`approximate_scores`); attention over the chosen tokens is
 exact. Pre-RoPE, each chunk of `SCORE_CHUNK` consecutive middle tokens is scored in the latent space
 against the query turned back by the rotation of the chunk's centre position, `U^T R(p_ref)^T q`, so no
-key is reconstructed; the error is the rotation between a token and its chunk's centre.
+key is rebuilt; the error is the rotation between a token and its chunk's centre.
 """
 
 from __future__ import annotations
@@ -32,60 +32,55 @@ import torch
 
 from .context import LayerPatch
 from .kernels import ops as kernels
-from .latent import augmented
+from .latent import Codec
 
 #: consecutive middle tokens sharing one reference rotation in pre-RoPE top-k scoring
 SCORE_CHUNK = 16
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype attention operands are built in: float32 for half-precision tensors on CPU, else x's dtype."""
-    return torch.float32 if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 @dataclass
 class Visible:
     """What one attention step reads, in position order (sinks, middle, window).
 
-    sink_*/recent_*: exact `[batch, kv_heads, n, head_dim]` in cache space; key_coeffs/value_coeffs: the
-    middle's coefficients `[batch, kv_heads, m, max_rank]`; *_positions: true positions `[batch, n]`
-    (`[batch, kv_heads, m]` for a middle selected per KV head).
+    sink_*/recent_*: exact `[batch, kv_heads, n, head_dim]` in cache space; middle_keys/middle_values: the middle
+    as stored, `[batch, m, width]` (fixed-rate codes or packed floats, read through `patchkv.kernels`);
+    *_positions: true positions `[batch, n]`.
     """
 
     sink_keys: torch.Tensor
     sink_values: torch.Tensor
     recent_keys: torch.Tensor
     recent_values: torch.Tensor
-    key_coeffs: torch.Tensor
-    value_coeffs: torch.Tensor
+    middle_keys: torch.Tensor
+    middle_values: torch.Tensor
     sink_positions: torch.Tensor
     middle_positions: torch.Tensor
     recent_positions: torch.Tensor
 
+    @property
+    def middle_len(self) -> int:
+        return self.middle_keys.shape[1]
+
 
 def grouped_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """One query per head `[batch, heads, 1, D]` against `[batch, kv_heads, n, D]` -> `[batch, kv_heads, groups, n]`:
-    each KV head's query heads in one product, no repeated keys."""
-    batch, heads, _, dim = q.shape
-    return q.reshape(batch, keys.shape[1], heads // keys.shape[1], dim) @ keys.transpose(-1, -2)
+    """Queries grouped by KV head `[batch, kv_heads, groups, D]` against `[batch, kv_heads, n, D]` -> `[batch,
+    kv_heads, groups, n]`: each KV head's query heads in one product, no repeated keys."""
+    return q @ keys.transpose(-1, -2)
 
 
-def rope_rows(lp: LayerPatch, positions: torch.Tensor, like: torch.Tensor, turn: bool = False):
-    """cos, sin `[..., rotary_dim]` at `positions` `[batch, n]` or `[batch, heads, n]` (with `turn`: the rows of
-    `RopeTable.turn()` instead, `[..., rotary_dim / 2]` complex). Positions on CPU that run `p, p + 1, ...` alike
-    in every row (the middle of an unpadded batch) are a slice of the table, not a gather."""
+def rope_rows(lp: LayerPatch, positions: torch.Tensor, like: torch.Tensor):
+    """cos, sin `[..., rotary_dim]` at `positions` `[batch, n]` or `[batch, heads, n]`, in like's dtype. Positions on
+    CPU that run `p, p + 1, ...` alike in every row (the middle of an unpadded batch) are a slice of the table,
+    not a gather."""
     n = positions.shape[-1]
     if positions.device.type == "cpu" and positions.dim() == 2 and n > 1:
         first = positions[0, 0]
         if bool((positions == first + torch.arange(n, dtype=positions.dtype)).all()):
-            lp.rope.at(positions[:1, -1:], like=like)  # grows the table to the last position
+            lp.rope.grow(int(positions[0, -1]) + 1, like.device)
             start = int(first)
-            if turn:
-                return lp.rope.turn()[start: start + n].expand(positions.shape[0], -1, -1)
-            return lp.rope.cos[start: start + n].expand(positions.shape[0], -1, -1), \
-                lp.rope.sin[start: start + n].expand(positions.shape[0], -1, -1)
-    cos, sin = lp.rope.at(positions, like=like)
-    return lp.rope.turn()[positions.to(cos.device).long()] if turn else (cos, sin)
+            rows = (lp.rope.cos[start: start + n], lp.rope.sin[start: start + n])
+            return tuple(r.to(like.dtype).expand(positions.shape[0], -1, -1) for r in rows)
+    return lp.rope.at(positions, like=like)
 
 
 def rotate_at(lp: LayerPatch, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -99,8 +94,13 @@ def rotate_at(lp: LayerPatch, x: torch.Tensor, positions: torch.Tensor) -> torch
     return flat.reshape(b, h, n, d)
 
 
+def rebuild(codec: Codec, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stored middle `[batch, m, width]` -> vectors `[batch, kv_heads, m, head_dim]` in `dtype`, not rotated."""
+    return kernels.reconstruct(stored, codec.table, codec.rows, codec.kernel_mean, None, dtype)
+
+
 class Mode:
-    """Which keys the basis describes, and what the attention function dots queries with."""
+    """Which keys the basis describes, and how attention reads cached keys."""
 
     name: str
 
@@ -110,28 +110,33 @@ class Mode:
         the space the key basis was calibrated in."""
         raise NotImplementedError
 
-    def score_operands(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       seen: Visible) -> tuple[torch.Tensor, torch.Tensor]:
-        """(queries `[batch, heads, s, D]`, keys `[batch, kv_heads, n, D]`), in `compute_dtype(q)`, whose dot
-        products are the true attention scores of q (in cache space) against every visible token."""
+    def queries(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q in cache space -> q as attention dots it with keys (rotated), `[batch, heads, s, d]`."""
         raise NotImplementedError
 
-    def decode_scores(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      seen: Visible) -> torch.Tensor:
-        """The true scores of a single query `[batch, heads, 1, d]` (in cache space) against every visible token,
-        region by region with no augmented copy -> `[batch, kv_heads, groups, n]` in `compute_dtype(q)`."""
+    def exact_keys(self, lp: LayerPatch, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Exact cached keys `[batch, kv_heads, n, d]` at `positions` `[batch, n]` -> as attention reads them."""
         raise NotImplementedError
 
-    def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           coeffs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Scores of a single query `[batch, heads, 1, d]` against middle tokens from their first r components
-        `coeffs` `[batch, kv_heads, m, r]`, the mean term included (a KV head selects by the best of its query
-        heads, so no per-query-head offset may be dropped) -> float32 `[batch, heads, m]`."""
+    def middle_keys(self, lp: LayerPatch, seen: Visible, dtype: torch.dtype) -> torch.Tensor:
+        """The middle's keys as attention reads them, `[batch, kv_heads, m, d]` in `dtype`."""
+        raise NotImplementedError
+
+    def middle_scores(self, lp: LayerPatch, seen: Visible, q: torch.Tensor) -> torch.Tensor:
+        """The true scores of one query per head, grouped by KV head, float32 `[batch, kv_heads, groups, d]` (as
+        `queries` returns it), against the middle -> float32 `[batch, kv_heads, groups, m]`."""
+        raise NotImplementedError
+
+    def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, coeffs: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+        """Scores of a single query `[batch, heads, 1, d]` (as `queries` returns it) against middle tokens from
+        their first r components `coeffs` `[batch, kv_heads, m, r]`, the mean term included (a KV head selects by
+        the best of its query heads, so no per-query-head offset may be dropped) -> float32 `[batch, heads, m]`."""
         raise NotImplementedError
 
     def cached_keys_as_rotated(self, lp: LayerPatch, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Cached keys `[batch, kv_heads, n, d]` at `positions` -> as the unpatched model would cache them."""
-        raise NotImplementedError
+        return self.exact_keys(lp, keys, positions)
 
 
 class PreRoPE(Mode):
@@ -140,72 +145,56 @@ class PreRoPE(Mode):
     def to_cache_space(self, lp, q, k, cos, sin):
         return q, k
 
-    def score_operands(self, lp, q, cos, sin, seen):
-        work = compute_dtype(q)
-        regions = [(rotate_at, seen.sink_keys, seen.sink_positions),
-                   (self._rotated_middle, seen.key_coeffs, seen.middle_positions),
-                   (rotate_at, seen.recent_keys, seen.recent_positions)]
-        rotated = [rotate(lp, x.to(work), at) for rotate, x, at in regions if x.shape[2]]  # the token itself is one
-        keys = rotated[0] if len(rotated) == 1 else torch.cat(rotated, dim=2)  # no copy of a lone region
-        return lp.patch.adapter.rotate(q, cos, sin).to(work), keys
+    def queries(self, lp, q, cos, sin):
+        return lp.patch.adapter.rotate(q, cos, sin)
 
-    def decode_scores(self, lp, q, cos, sin, seen):
-        work = compute_dtype(q)
-        q_rot = lp.patch.adapter.rotate(q, cos, sin).to(work)
-        scores = []
-        if seen.sink_keys.shape[2]:
-            scores.append(grouped_scores(q_rot, rotate_at(lp, seen.sink_keys.to(work), seen.sink_positions)))
-        if seen.key_coeffs.shape[2]:  # keys in pair order, the query too: the pairs are never put back
-            keys = self._rotated_middle(lp, seen.key_coeffs.to(work), seen.middle_positions, paired=True)
-            scores.append(grouped_scores(q_rot[..., kernels.reference.pair_order(q.shape[-1], q.device)], keys))
-        if seen.recent_keys.shape[2]:
-            scores.append(grouped_scores(q_rot, rotate_at(lp, seen.recent_keys.to(work), seen.recent_positions)))
-        return scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
+    def exact_keys(self, lp, keys, positions):
+        return rotate_at(lp, keys, positions) if keys.shape[2] else keys
 
-    @staticmethod
-    def _rotated_middle(lp: LayerPatch, coeffs: torch.Tensor, positions: torch.Tensor,
-                        paired: bool = False) -> torch.Tensor:
-        """Coefficients `[batch, kv_heads, m, max_rank]` at `positions` (`[batch, m]` or `[batch, kv_heads, m]`)
-        -> rotated keys `[batch, kv_heads, m, head_dim]` in coeffs' dtype (fused when the whole head rotates),
-        head dims in `pair_order` if `paired`."""
-        basis = lp.keys.basis
-        cos, sin = rope_rows(lp, positions, coeffs)
-        if lp.patch.adapter.rope_convention == "rotate_half" and cos.shape[-1] == basis.head_dim:
-            turn = rope_rows(lp, positions, coeffs, turn=True) if paired and lp.rope.turn() is not None else None
-            if positions.dim() == 2:
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-                turn = None if turn is None else turn.unsqueeze(1)
-            return kernels.reconstruct_rope(coeffs, basis.basis.to(coeffs.dtype), basis.mean.to(coeffs.dtype), cos, sin,
-                                            paired, turn)
-        keys = rotate_at(lp, basis.reconstruct(coeffs), positions)
-        return keys[..., kernels.reference.pair_order(keys.shape[-1], keys.device)] if paired else keys
+    def _rope(self, lp: LayerPatch, positions: torch.Tensor):
+        """The kernels' rotation of the middle, or None where the adapter's RoPE is not rotate-half."""
+        if lp.patch.adapter.rope_convention != "rotate_half" or not positions.numel():
+            return None
+        cos, sin, rot = lp.rope.kernel_tables(positions)
+        return cos, sin, positions, rot
 
-    def approximate_scores(self, lp, q, cos, sin, coeffs, positions):
+    def middle_keys(self, lp, seen, dtype):
+        rope = self._rope(lp, seen.middle_positions)
+        codec = lp.keys
+        if rope is None and seen.middle_len:
+            return rotate_at(lp, rebuild(codec, seen.middle_keys, torch.float32), seen.middle_positions).to(dtype)
+        return kernels.reconstruct(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, dtype)
+
+    def middle_scores(self, lp, seen, q):
+        rope = self._rope(lp, seen.middle_positions)
+        if rope is None:
+            return grouped_scores(q, self.middle_keys(lp, seen, torch.float32))
+        codec = lp.keys
+        return kernels.scores(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, q)
+
+    def approximate_scores(self, lp, q, coeffs, positions):
         basis, rotate = lp.keys.basis, lp.patch.adapter.rotate
         m, r = coeffs.shape[2], coeffs.shape[3]
         chunks = -(-m // SCORE_CHUNK)
         centres = (torch.arange(chunks, device=positions.device) * SCORE_CHUNK + SCORE_CHUNK // 2).clamp_max(m - 1)
-        q_rot = rotate(q, cos, sin).to(compute_dtype(q))  # [batch, heads, 1, d]
+        q = q.float()
         # q . R(p) k = (R(p)^T q) . k, and R(p)^T is the rotation with sin negated (any scaling of the table kept)
-        lp.rope.at(positions[:, -1:], like=q_rot)  # the table covers every position
+        lp.rope.grow(int(positions.max()) + 1, q.device)
         turn = lp.rope.turn() if lp.patch.adapter.rope_convention == "rotate_half" and \
             lp.rope.cos.shape[-1] == basis.head_dim else None
-        query_basis, query_mean = basis.query_basis[..., :r], basis.query_mean
+        query_basis, query_mean = basis.query_basis[..., :r].float(), basis.query_mean.float()
         if turn is not None:  # in pair order each chunk's turn back is one complex product (conjugate rotation)
             order = kernels.reference.pair_order(basis.head_dim, q.device)
             back = turn[positions[:, centres].long()].conj().unsqueeze(1)  # [batch, 1, chunks, d / 2]
-            paired = torch.view_as_complex(q_rot[..., order].float().reshape(*q_rot.shape[:3], -1, 2).contiguous())
+            paired = torch.view_as_complex(q[..., order].reshape(*q.shape[:3], -1, 2).contiguous())
             q_ref = torch.view_as_real(paired * back).flatten(-2)  # [batch, heads, chunks, d], pair order
             query_basis, query_mean = query_basis[:, order], query_mean[:, order]
         else:
-            ref_cos, ref_sin = lp.rope.at(positions[:, centres], like=q_rot)  # [batch, chunks, rotary_dim]
-            q_ref = rotate(q_rot.expand(-1, -1, chunks, -1), ref_cos, -ref_sin).float()  # [batch, heads, chunks, d]
-        q_latent = q_ref @ query_basis.float()
-        bias = (q_ref * query_mean.float().unsqueeze(1)).sum(-1)
+            ref_cos, ref_sin = lp.rope.at(positions[:, centres], like=q)  # [batch, chunks, rotary_dim]
+            q_ref = rotate(q.expand(-1, -1, chunks, -1), ref_cos, -ref_sin)  # [batch, heads, chunks, d]
+        q_latent = q_ref @ query_basis
+        bias = (q_ref * query_mean.unsqueeze(1)).sum(-1)
         return kernels.chunked_latent_scores(q_latent, bias, coeffs.float(), basis.query_groups, SCORE_CHUNK)
-
-    def cached_keys_as_rotated(self, lp, keys, positions):
-        return rotate_at(lp, keys, positions)
 
 
 class PostRoPE(Mode):
@@ -215,39 +204,29 @@ class PostRoPE(Mode):
         rotate = lp.patch.adapter.rotate
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
-    def score_operands(self, lp, q, cos, sin, seen):
-        work = compute_dtype(q)
-        keys, has_exact, has_latent = augmented(seen.sink_keys.to(work), seen.key_coeffs.to(work),
-                                                seen.recent_keys.to(work))
-        basis = lp.keys.basis
-        parts = ([q] if has_exact else []) + ([basis.project_queries(q), basis.mean_scores(q)] if has_latent else [])
-        return torch.cat(parts, dim=-1).to(work), keys
+    def queries(self, lp, q, cos, sin):
+        return q
 
-    def decode_scores(self, lp, q, cos, sin, seen):
-        work = compute_dtype(q)
-        basis, qw = lp.keys.basis, q.to(work)
-        scores = []
-        if seen.sink_keys.shape[2]:
-            scores.append(grouped_scores(qw, seen.sink_keys.to(work)))
-        if seen.key_coeffs.shape[2]:  # q . (mean + U c) = (q U) . c + q . mean, in the latent space
-            q_latent = qw @ basis.query_basis.to(work)
-            mean = (qw * basis.query_mean.to(work).unsqueeze(1)).sum(-1)  # [batch, heads, 1]
-            groups = basis.query_groups
-            scores.append(grouped_scores(q_latent, seen.key_coeffs.to(work)) + mean.view(
-                mean.shape[0], -1, groups, 1))
-        if seen.recent_keys.shape[2]:
-            scores.append(grouped_scores(qw, seen.recent_keys.to(work)))
-        return scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
-
-    def approximate_scores(self, lp, q, cos, sin, coeffs, positions):
-        basis = lp.keys.basis
-        q_latent = basis.project_queries(q)[:, :, 0, : coeffs.shape[-1]]
-        # q . mean differs between the query heads of one KV head, which keeps the best for any of them: kept
-        return kernels.latent_scores(q_latent.float(), coeffs.float(), basis.query_groups) + \
-            basis.mean_scores(q)[:, :, 0].float()
-
-    def cached_keys_as_rotated(self, lp, keys, positions):
+    def exact_keys(self, lp, keys, positions):
         return keys
+
+    def middle_keys(self, lp, seen, dtype):
+        return rebuild(lp.keys, seen.middle_keys, dtype)
+
+    def middle_scores(self, lp, seen, q):
+        # q . (mean + sum_c coefficient_c row_c) = (q . rows) . c + q . mean, in the latent space
+        codec = lp.keys
+        coeffs = kernels.unpack(seen.middle_keys, codec.table)  # [batch, kv_heads, m, widest]
+        q_latent = q @ codec.padded_rows.transpose(1, 2)  # [batch, kv_heads, groups, widest]
+        return q_latent @ coeffs.transpose(-1, -2) + (q * codec.kernel_mean.unsqueeze(1)).sum(-1, keepdim=True)
+
+    def approximate_scores(self, lp, q, coeffs, positions):
+        basis = lp.keys.basis
+        q = q.float()
+        q_latent = (q @ basis.query_basis.float())[:, :, 0, : coeffs.shape[-1]]
+        # q . mean differs between the query heads of one KV head, which keeps the best for any of them: kept
+        mean = (q * basis.query_mean.float().unsqueeze(1)).sum(-1)[:, :, 0]
+        return kernels.latent_scores(q_latent, coeffs.float(), basis.query_groups) + mean.unsqueeze(-1)
 
 
 MODES: dict[str, Mode] = {mode.name: mode for mode in (PreRoPE(), PostRoPE())}

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from .kernels import ops as kernels
+from .kernels.reference import ComponentTable
 
 MAX_BITS = 8
-ROW_BUCKET = 256
 # Optimal uniform quantizer for a unit Gaussian with 2^b levels (Max, 1960): step size and mean squared error.
 GAUSSIAN_STEP = (math.inf, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
 GAUSSIAN_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.003490, 0.001035, 0.0003035, 0.0000876)
@@ -55,64 +56,44 @@ def allocate_bits(eigenvalues: torch.Tensor, budget: int, max_bits: int = MAX_BI
     return bits.view(*lead, dim)
 
 
-class CoefficientQuantizer(nn.Module):
+class CoefficientQuantizer:
     """Fixed-rate codes for one layer's latents `[batch, heads, seq, max_rank]` -> uint8 `[batch, 1, seq, bytes]`.
 
     bits: `[heads, max_rank]` per component (0 drops it; a head, or a whole layer, may get none); std: `[heads,
     max_rank]` calibrated standard deviations. A token's code is `bytes_per_token = ceil(total_bits / 8)` bytes:
     component after component (flat over heads), each code's bits least significant first, from bit 0 of
-    byte 0; zero padding at the end.
+    byte 0; zero padding at the end. `step`, `offset` `[heads * max_rank]`: level i of a component reconstructs to
+    `i * step + offset` (`offset = (0.5 - levels / 2) * step`); `table` is where each coded component sits, for
+    the kernels (`patchkv.kernels`), `components` their flat indices.
     """
 
     def __init__(self, bits: torch.Tensor, std: torch.Tensor):
-        super().__init__()
         heads, rank = bits.shape
         b = bits.flatten()
         step = torch.tensor([GAUSSIAN_STEP[int(x)] if x else 0.0 for x in b], dtype=torch.float64) * std.flatten()
         self.total_bits = int(b.sum())
         self.bytes_per_token = math.ceil(self.total_bits / 8)
-        # bit k of component c sits at position offset[c] + k of the token's bit string
-        comp = torch.repeat_interleave(torch.arange(heads * rank), b)
-        shift = torch.cat([torch.arange(int(x)) for x in b]) if self.total_bits else torch.zeros(0, dtype=torch.long)
         self.shape = (heads, rank)
-        self.register_buffer("levels", (2 ** b).float(), persistent=False)
-        self.register_buffer("step", step.float(), persistent=False)
-        self.register_buffer("bit_component", comp, persistent=False)
-        self.register_buffer("bit_shift", shift, persistent=False)
-        self.register_buffer("byte_weights", 2 ** torch.arange(8), persistent=False)
-        # a code is linear in its bits: bit k of component c is worth 2^k of idx[c] (exact in bfloat16: idx < 256)
-        weight = torch.zeros(self.bytes_per_token * 8, heads * rank)
-        weight[torch.arange(self.total_bits), comp] = 2.0 ** shift
-        self.register_buffer("bit_weight", weight, persistent=False)
-        self.register_buffer("offset", ((0.5 - 2.0 ** b.double() / 2) * step).float(), persistent=False)
-        self.register_buffer("byte_bits", ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float(),
-                             persistent=False)
+        self.step = step.float()
+        self.offset = ((0.5 - 2.0 ** b.double() / 2) * step).float()
+        start = torch.cumsum(b, 0) - b  # bit k of component c sits at position start[c] + k of the token's bits
+        coded = (b > 0).nonzero().squeeze(1)
+        self.components = coded
+        layout = {"shift": start[coded] % 8, "mask": 2 ** b[coded] - 1, "step": self.step[coded],
+                  "offset": self.offset[coded], "wide": (start[coded] % 8 + b[coded] > 8).int()}
+        self.table = ComponentTable.build(heads, rank, coded, torch.div(start[coded], 8, rounding_mode="floor"), layout)
+
+    def to(self, device: torch.device) -> CoefficientQuantizer:
+        self.step, self.offset, self.components = (t.to(device) for t in (self.step, self.offset, self.components))
+        self.table = self.table.to(device)
+        return self
 
     def encode(self, coeffs: torch.Tensor) -> torch.Tensor:
-        """`[batch, heads, seq, max_rank]` -> packed codes uint8 `[batch, 1, seq, bytes_per_token]`."""
-        b, h, s, r = coeffs.shape
-        flat = coeffs.transpose(1, 2).reshape(b, s, h * r).float()
-        safe = torch.where(self.step > 0, self.step, torch.ones_like(self.step))
-        # midrise quantizer: level i reconstructs to (i + 0.5 - levels / 2) * step
-        idx = torch.floor(flat / safe + self.levels / 2).clamp(torch.zeros_like(self.levels), self.levels - 1)
-        idx = idx.long()
-        bitstring = (idx[..., self.bit_component] >> self.bit_shift) & 1  # [b, s, total_bits]
-        pad = self.bytes_per_token * 8 - self.total_bits
-        bitstring = nn.functional.pad(bitstring, (0, pad)).view(b, s, self.bytes_per_token, 8)
-        return (bitstring * self.byte_weights).sum(-1).to(torch.uint8).unsqueeze(1)
+        """`[batch, heads, seq, max_rank]` -> packed codes uint8 `[batch, 1, seq, bytes_per_token]` (midrise quantizer:
+        level i reconstructs to `(i + 0.5 - levels / 2) * step`; written through `patchkv.kernels`)."""
+        return kernels.encode(coeffs, self.table, self.components, self.bytes_per_token).unsqueeze(1)
 
-    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """uint8 `[batch, 1, seq, bytes]` -> coefficients `[batch, heads, seq, max_rank]` in `dtype`.
-
-        A table lookup spreads each byte into its 8 bits and one matrix product sums them into each component's
-        idx, both exact in bfloat16 (which CPU matrix units run fastest); values are then `(idx + 0.5 - levels /
-        2) * step` in float32."""
-        b, _, s, n = codes.shape
-        work = torch.bfloat16 if dtype in (torch.float16, torch.bfloat16) else torch.float32
-        # CPU bfloat16 matrix kernels are built per shape: rows padded to a multiple of ROW_BUCKET keep the
-        # shapes few while the cache grows a token per step
-        rows = b * s
-        index = nn.functional.pad(codes.reshape(rows, n).int(), (0, 0, 0, -rows % ROW_BUCKET))
-        bits = nn.functional.embedding(index, self.byte_bits.to(work)).view(index.shape[0], n * 8)
-        values = torch.addcmul(self.offset, (bits @ self.bit_weight.to(work))[:rows].float(), self.step)
-        return values.view(b, s, *self.shape).transpose(1, 2).to(dtype)
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 `[batch, 1, seq, bytes]` -> float32 coefficients `[batch, heads, seq, max_rank]`: `(idx + 0.5 -
+        levels / 2) * step`, 0 for components without bits (read through `patchkv.kernels`)."""
+        return self.table.spread(kernels.unpack(codes.squeeze(1), self.table), self.components, self.shape[1])

