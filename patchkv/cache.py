@@ -43,6 +43,8 @@ from .context import LayerPatch
 from .errors import PatchKVError
 from .modes import Visible, rebuild
 
+#: the middle's buffer grows by this many tokens at a time
+PAGE = 64
 REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values")
 
 
@@ -93,6 +95,7 @@ class LatentLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.track = track if track is not None else PositionTrack()
         self.tensors: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}  # the middle's storage, `tensors` its first tokens
         self.cumulative_length = 0
         self.record_past = False
         self.device: torch.device | None = None
@@ -147,12 +150,29 @@ class LatentLayer(CacheLayerMixin):
         if leaving > 0:
             for kind in ("keys", "values"):
                 encoded = getattr(self.patch, kind).encode(t[f"recent_{kind}"][:, :, :leaving])
-                t[f"latent_{kind}"] = torch.cat([t[f"latent_{kind}"], encoded], dim=2)
+                self._grow(f"latent_{kind}", encoded)
                 t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
 
+    def _grow(self, name: str, new: torch.Tensor) -> None:
+        """Append `new` `[batch, 1, n, width]` to the middle `name`, held as the first tokens of a buffer that
+        grows by pages of `PAGE` tokens (a decode step writes one token, it does not copy the whole middle)."""
+        held, buffer = self.tensors[name], self.buffers.get(name)
+        n, total = held.shape[2], held.shape[2] + new.shape[2]
+        prefix = buffer is not None and held.data_ptr() == buffer.data_ptr() and held.stride() == buffer.stride() \
+            and held.shape[:2] == buffer.shape[:2]
+        if not prefix or total > buffer.shape[2]:
+            buffer = new.new_empty(*new.shape[:2], -(-total // PAGE) * PAGE, new.shape[3])
+            buffer[:, :, :n] = held
+            self.buffers[name] = buffer
+        buffer[:, :, n:total] = new
+        self.tensors[name] = buffer[:, :, :total]
+
     def _keep_last(self, n: int) -> None:
+        """A sliding layer keeps its last n latent tokens (copied out, so the dropped ones are freed)."""
         for name in ("latent_keys", "latent_values"):
-            self.tensors[name] = self.tensors[name][:, :, -n:] if n > 0 else self.tensors[name][:, :, :0]
+            held = self.tensors[name]
+            if held.shape[2] > n:
+                self.tensors[name] = held[:, :, held.shape[2] - n:].clone()
 
     # ----- reading ----------------------------------------------------------------------------------
     @property
@@ -221,7 +241,17 @@ class LatentLayer(CacheLayerMixin):
         return self._full("values")
 
     def nbytes(self) -> int:
+        """Bytes of what the layer holds: every region's tokens (what the compression ratio is measured on)."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of storage the layer keeps: `nbytes` plus the middle's unused buffer (under `PAGE` tokens past its
+        end, or tokens cropped away that the buffer still holds)."""
+        held = 0
+        for name, t in self.tensors.items():
+            buffer = self.buffers.get(name)
+            held += buffer.nbytes if buffer is not None and buffer.data_ptr() == t.data_ptr() else t.nbytes
+        return held
 
     # ----- the CacheLayerMixin interface ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -241,13 +271,13 @@ class LatentLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
-        self.tensors, self.cumulative_length, self.is_initialized = {}, 0, False
+        self.tensors, self.buffers, self.cumulative_length, self.is_initialized = {}, {}, 0, False
 
     def activate_past_recording(self) -> None:
         self.record_past = True
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.tensors = {name: fn(t) for name, t in self.tensors.items()}
+        self.tensors, self.buffers = {name: fn(t) for name, t in self.tensors.items()}, {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -367,9 +397,15 @@ class LatentCache(Cache):
         positions = self.track.positions.nbytes if self.track.positions is not None else 0
         return sum(layer.nbytes() for layer in self.layers) + positions
 
+    def allocated_nbytes(self) -> int:
+        """Bytes of storage kept: `nbytes` plus what the layers' middle buffers hold beyond their tokens."""
+        positions = self.track.positions.untyped_storage().nbytes() if self.track.positions is not None else 0
+        return sum(layer.allocated_nbytes() for layer in self.layers) + positions
+
     def describe(self) -> str:
         """One line per layer: its regions' token counts and bytes."""
-        lines = [f"LatentCache({self.plan_description}), {self.get_seq_length()} tokens, {self.nbytes()} bytes"]
+        lines = [f"LatentCache({self.plan_description}), {self.get_seq_length()} tokens, {self.nbytes()} bytes "
+                 f"({self.allocated_nbytes()} allocated)"]
         for i, layer in enumerate(self.layers):
             kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}, "

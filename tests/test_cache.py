@@ -237,3 +237,32 @@ def test_cache_layer_contract(setups):
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
     assert "layer 1" in pickle.loads(pickle.dumps(cache)).describe()
+
+
+def test_decode_steps_write_one_token_into_a_paged_middle(setups):
+    """The middle is a buffer that grows by pages: decode steps do not copy it; `nbytes` counts the tokens held,
+    `allocated_nbytes` the buffer (under a page more), and after a crop the storage the buffer still keeps; the
+    layer contract (`update` with true positions) returns what attention reads."""
+    from patchkv.cache import PAGE
+
+    model, art = setups["pre_rope"]
+    ids = calibration_ids(1, 40, seed=27)
+    with patchkv.patched(model, art, bits=40, sink_tokens=2, window=3):
+        cache = model(ids[:, :30], use_cache=True).cache
+        layer = cache.layers[0]
+        start = layer.tensors["latent_keys"].data_ptr()
+        for i in range(30, 40):
+            cache = model(ids[:, i:i + 1], cache=cache, use_cache=True).cache
+        assert layer.tensors["latent_keys"].shape[2] == 40 - 2 - 3
+        assert layer.tensors["latent_keys"].data_ptr() == start  # the same buffer: no copy per step
+        per_token = layer.tensors["latent_keys"].shape[-1] + layer.tensors["latent_values"].shape[-1]
+        assert layer.allocated_nbytes() - layer.nbytes() == (PAGE - 35) * per_token
+        assert cache.allocated_nbytes() > cache.nbytes()
+        cache.crop(-10)  # the window's 3 tokens, then 7 of the middle
+        assert layer.tensors["latent_keys"].shape[2] == 28
+        assert layer.allocated_nbytes() - layer.nbytes() == (PAGE - 28) * per_token  # cropped tokens still held
+        with pytest.raises(patchkv.PatchKVError, match="not patched"):
+            layer.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))  # an unpatched writer
+        keys, values = layer.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16),
+                                    {"positions": torch.tensor([[30]])})
+        assert keys.shape == values.shape == (1, 2, 2 + 28 + 1, 16)
