@@ -8,11 +8,12 @@ variances lambda_j, an error of relative size D on component j costs lambda_j * 
 weight w_j = u_j^T F u_j puts every component of every layer, head, key and value in the same unit (nats),
 so one bit pool can be shared by all of them (`patchkv.allocation.allocate_to_bytes`).
 
-`FisherCapture` measures F during calibration. While it is active each attention module runs an eager,
-float32 attention in which the keys and values a query reads *compressed* carry a zero perturbation
-`delta` (requiring grad): pairs (query i, key j) where j is one of the row's first `sink_tokens` real tokens
-or j is within the `window` most recent tokens of i (i - j < window) read exact keys and values, as the
-`SinksWindow` method serves them at inference. One backward pass of the summed next-token loss per row
+`FisherCapture` measures F during calibration. While it is active each attention module runs the model's own
+attention function (the one the patched model runs), in float32, over its keys and values twice, `[exact |
+perturbed]`: the perturbed copy carries a zero perturbation `delta` (requiring grad), and a mask lets each query
+read each key from the copy its pair is served from: pairs (query i, key j) where j is one of the row's first
+`sink_tokens` real tokens or j is within the `window` most recent tokens of i (i - j < window) read exact keys
+and values, as the `SinksWindow` method serves them at inference. One backward pass of the summed next-token loss per row
 gives d loss / d delta = the gradient through the compressed path only; its outer products, summed in
 float64 over the non-sink tokens, are F. In `pre_rope` mode the perturbation is added before the rotary
 embedding (the cache holds un-rotated keys), in `post_rope` mode after.
@@ -120,7 +121,9 @@ class FisherCapture:
 
     def attend(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
                ) -> tuple[torch.Tensor, None]:
-        """Eager float32 attention with perturbed compressed pairs: hidden `[1, seq, hidden]` -> `[1, seq, hidden]`."""
+        """hidden `[1, seq, hidden]` -> `[1, seq, hidden]`, attention in float32 by the model's own attention function
+        over the keys and values twice, `[exact | perturbed]` (`[1, kv_heads, 2 seq, head_dim]`), with a mask that
+        lets each query read each key from the half its pair is served from."""
         adapter, row = self.adapter, self.row
         q, k, v = (x.float() for x in adapter.project_qkv(attn, hidden_states))   # [1, heads, seq, head_dim]
         cos, sin = (x.float() for x in position_embeddings)
@@ -128,23 +131,18 @@ class FisherCapture:
         row["deltas"][attn.layer_idx] = (dk, dv)
         q, exact_k = adapter.rotate(q, cos, sin), adapter.rotate(k, cos, sin)
         compressed_k = adapter.rotate(k + dk, cos, sin) if self.pre_rope else exact_k + dk
-        groups = adapter.query_groups(attn)
-        scale = adapter.scaling(attn)
         kwargs = adapter.attention_kwargs(attn)
         allowed, exact = row["allowed"], row["exact"]
         window = kwargs.get("sliding_window")
         if window is not None:  # a sliding layer attends to its last `window` keys only
             allowed = allowed & (row["offset"] < window)
-
-        def scores(keys: torch.Tensor) -> torch.Tensor:
-            s = q @ keys.repeat_interleave(groups, 1).mT * scale
-            softcap = kwargs.get("softcap")
-            return s if softcap is None else torch.tanh(s / softcap) * softcap
-
-        s = torch.where(exact, scores(exact_k), scores(compressed_k)).masked_fill(~allowed, float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)                           # fully masked (padding) rows -> 0
-        out = (p * exact) @ v.repeat_interleave(groups, 1) + (p * ~exact) @ (v + dv).repeat_interleave(groups, 1)
-        out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype)
+        keep = torch.cat([allowed & exact, allowed & ~exact], dim=-1)  # [seq, 2 seq]
+        mask = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill(
+            ~keep, torch.finfo(torch.float32).min)[None, None]
+        out, _ = adapter.attention_function(attn)(
+            attn, q, torch.cat([exact_k, compressed_k], dim=2), torch.cat([v, v + dv], dim=2), mask, dropout=0.0,
+            scaling=adapter.scaling(attn), **kwargs)
+        out = out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype)
         return adapter.output(attn, out), None
 
 
