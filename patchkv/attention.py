@@ -169,7 +169,7 @@ def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | 
     selector, mode = lp.patch.plan.selector, lp.patch.mode
     codecs = lp.keys, lp.values
     rank = min(selector.rank or codecs[0].basis.max_rank, codecs[0].basis.max_rank)
-    coeffs = codecs[0].decode(seen.middle_keys.unsqueeze(1))[..., :rank]
+    coeffs = codecs[0].leading(seen.middle_keys.unsqueeze(1), rank)
     scores = mode.approximate_scores(lp, q, coeffs, seen.middle_positions)  # [batch, heads, m]
     ns, nm, nr = seen.sink_keys.shape[2], seen.middle_len, seen.recent_keys.shape[2]
     if mask is not None:

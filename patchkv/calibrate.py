@@ -103,9 +103,10 @@ def calibrate(
             if mode == "post_rope":
                 cos, sin = kwargs["position_embeddings"]
                 k = adapter.rotate(k, cos.to(k.device), sin.to(k.device))
-            for kind, x in (("keys", k), ("values", v)):
-                # [batch, heads, seq, dim] -> [heads, n, dim] over the kept tokens
-                stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, token_mask[0].to(x.device)])
+            with torch.profiler.record_function("patchkv::moments"):
+                for kind, x in (("keys", k), ("values", v)):
+                    # [batch, heads, seq, dim] -> [heads, n, dim] over the kept tokens
+                    stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, token_mask[0].to(x.device)])
         finally:
             if hook is not None:
                 hook.post_forward(attn, None)
@@ -159,7 +160,8 @@ def calibrate(
 
     parts = {}
     for kind, accs in stats.items():
-        pcas = [acc.pca() for acc in accs]
+        with torch.profiler.record_function("patchkv::pca"):
+            pcas = [acc.pca() for acc in accs]
         eigenvalues = torch.stack([p.eigenvalues for p in pcas])
         eigenvectors = torch.stack([p.eigenvectors for p in pcas])
         weights = None

@@ -106,7 +106,8 @@ class FisherCapture:
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum",
                                        ignore_index=-100)
                 deltas = [self.row["deltas"][attn.layer_idx] for attn in self.modules]
-                grads = torch.autograd.grad(loss, [d for pair in deltas for d in pair], allow_unused=True)
+                with torch.profiler.record_function("patchkv::fisher_backward"):
+                    grads = torch.autograd.grad(loss, [d for pair in deltas for d in pair], allow_unused=True)
         finally:
             self.row = None
         keep = counted[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels import ops as kernels
 from .kernels.reference import ComponentTable
 
 
@@ -35,13 +36,14 @@ class LatentBasis:
         self.keep = keep
         self.mean = mean.to(dtype)
         self.basis = (eigenvectors[:, :, : self.max_rank] * keep.unsqueeze(1)).to(dtype)
+        self.float_mean, self.float_basis = self.mean.float(), self.basis.float()  # encoding is done in float32
         # the same basis and mean per query head (GQA), built once rather than on every forward
         self.query_basis = self.basis.repeat_interleave(query_groups, dim=0)
         self.query_mean = self.mean.repeat_interleave(query_groups, dim=0)
 
     def to(self, device: torch.device) -> LatentBasis:
         """Move every tensor to `device` in place; returns self."""
-        for name in ("mean", "basis", "query_basis", "query_mean"):
+        for name in ("mean", "basis", "query_basis", "query_mean", "float_mean", "float_basis"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -50,8 +52,9 @@ class LatentBasis:
         return self.basis.device
 
     def coefficients(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[batch, kv_heads, seq, head_dim]` -> `[batch, kv_heads, seq, max_rank]`, zero past each rank."""
-        return (x - self.mean.unsqueeze(1)) @ self.basis
+        """x `[batch, kv_heads, seq, head_dim]` -> float32 `[batch, kv_heads, seq, max_rank]`, zero past each rank
+        (computed in float32 whatever x's dtype: small half-precision products are slower on CPU, and rounder)."""
+        return (x.float() - self.float_mean.unsqueeze(1)) @ self.float_basis
 
     def reconstruct(self, coeffs: torch.Tensor) -> torch.Tensor:
         """`[batch, kv_heads, seq, max_rank]` -> vectors `[batch, kv_heads, seq, head_dim]`."""
@@ -80,12 +83,29 @@ class Codec:
     def set_table(self, table: ComponentTable, components: torch.Tensor) -> None:
         basis = self.basis
         self.table, self.components = table, components.long()
+        self._leading: dict[int, tuple[ComponentTable, torch.Tensor]] = {}  # rank -> its sub-table, built on demand
         head = torch.div(self.components, basis.max_rank, rounding_mode="floor")
         self.rows = basis.basis.float()[head, :, self.components % basis.max_rank].contiguous()
         self.kernel_mean = basis.mean.float().contiguous()
         padded = self.rows.new_zeros(basis.heads * table.widest, basis.head_dim)
         padded[(table.head * table.widest + table.slot).long()] = self.rows
         self.padded_rows = padded.view(basis.heads, table.widest, basis.head_dim)
+
+    def leading(self, stored: torch.Tensor, rank: int) -> torch.Tensor:
+        """The first `rank` coefficients of every stored token: `[batch, 1, seq, width]` -> float32 `[batch, kv_heads,
+        seq, rank]`, only those components read (top-k scores candidates from them)."""
+        cached = self._leading
+        if rank not in cached or cached[rank][0].byte.device != stored.device:
+            keep = (self.components % self.basis.max_rank) < rank
+            t = self.table
+            rows = [x[keep] for x in (t.byte, t.shift, t.mask, t.step, t.offset, t.wide)]
+            components = torch.div(self.components[keep], self.basis.max_rank, rounding_mode="floor") * rank + \
+                self.components[keep] % self.basis.max_rank
+            table = ComponentTable.build(self.basis.heads, rank, components.cpu(), rows[0].cpu(), dict(zip(
+                ("shift", "mask", "step", "offset", "wide"), (x.cpu() for x in rows[1:])))).to(stored.device)
+            cached[rank] = (table, components.to(stored.device))
+        table, components = cached[rank]
+        return table.spread(kernels.unpack(stored.squeeze(1), table), components, rank)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Vectors `[batch, kv_heads, seq, head_dim]` -> stored form `[batch, 1, seq, width]`."""
@@ -129,7 +149,7 @@ class PackedCodec(Codec):
         return self
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        coeffs = self.basis.coefficients(x)
+        coeffs = self.basis.coefficients(x).to(self.stored_dtype)
         b, h, s, r = coeffs.shape
         flat = coeffs.transpose(1, 2).reshape(b, s, h * r)
         if not self.uniform:

@@ -141,3 +141,14 @@ def test_encode_equals_its_reference(ext, name):
     want = reference.encode(coeffs, q.table, q.components, q.bytes_per_token)
     got = ext.encode(coeffs, *q.table.kernel_args(), q.components.int(), q.bytes_per_token)
     assert got.dtype == torch.uint8 and got.shape == (2, 150, q.bytes_per_token) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_leading_coefficients_are_the_first_of_the_decoded(name):
+    """`Codec.leading(stored, r)` (top-k's candidate scoring reads only those components) equals the first r of the
+    full decode, on the kernels and on the reference."""
+    codec = CODECS[name](64)
+    latents = stored(codec, 2, 70, seed=4).unsqueeze(1)
+    full = codec.decode(latents).float()
+    for rank in (1, 3, codec.basis.max_rank):
+        assert torch.allclose(codec.leading(latents, rank), full[..., :rank], rtol=1e-6, atol=1e-6)
