@@ -21,13 +21,18 @@ A version 2 file holds those eight and exactly two more:
 Effect weights put the components of every layer, head, key and value in one unit, so a global bit pool
 can be allocated over them (`Quantized(pool="global")`).
 
-A version 3 file holds the eight, optionally the two effect weights, and exactly two more:
+A version 4 file holds the eight, optionally the two effect weights, and exactly two more, with `B` >= 1
+budgets listed in the metadata field `step_budgets`:
 
-    {kind}.step_scales   float32 [L, H]        > 0: the quantizer steps of head [l, h] (and so its clipping
-                                               range) are this multiple of the Gaussian-matched ones
+    {kind}.step_scales   float32 [B, L, H]     > 0: for budget b, the quantizer steps of head [l, h] (and so its
+                                               clipping range) are this multiple of the Gaussian-matched ones
                                                (`patchkv.steps.fit_step_scales`; only `Quantized` reads them)
 
-An artifact is written at the lowest version that holds it: 3 with step scales, else 2 with effect weights,
+(Version 3, read but no longer written, held one budget, `{kind}.step_scales [L, H]`, whose bits and pool were
+recorded in `calibration["step_scales"]`; it loads as a one-budget version 4 artifact when that record names
+them, and is refused otherwise.)
+
+An artifact is written at the lowest version that holds it: 4 with step scales, else 2 with effect weights,
 else 1, so files without the newer tensors stay readable by older readers.
 
 Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
@@ -36,14 +41,17 @@ without recalibrating; only `ranks` components per head are used at inference.
 
 The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
-    format_version  1, 2 or 3 (see above)
+    format_version  1, 2, 3 or 4 (see above)
     mode            "pre_rope" | "post_rope"
     model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
                      "dtype"}; `apply` refuses a model whose fields differ (name and
                      architecture class excepted)
     calibration     free-form JSON object: source, tokens, sequences, seq_len, sink_tokens,
-                    rank selection
+                    rank selection, the calibration dtype; information only, never read to
+                    decide how the cache works
+    step_budgets    version 4 only: [{"bits": int >= 1, "pool": "head" | "global"}, ...], the B
+                    distinct budgets (`Quantized(bits, pool)`) the step scales were fitted for
     checksum        "sha256:<hex>" over every tensor (name, dtype, shape, bytes, in name
                     order) and the canonical JSON of the metadata without `checksum`
 
@@ -59,14 +67,17 @@ head) unless all of the following hold, in this order:
    bytes parsed, so a file replaced meanwhile cannot be loaded under another file's hash.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1, 2 or 3;
+3. `format_version` is the integer 1, 2, 3 or 4;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
 5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above, whose
    `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`,
    `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16,
-   bfloat16, float64; `calibration` an object;
-6. exactly the eight tensors (version 1), ten (version 2) or ten or twelve (version 3), float32 and
-   (ranks) int32, of the shapes above, agreeing with `model`;
+   bfloat16, float64; `calibration` an object; `step_budgets` (version 4) a non-empty list of distinct
+   objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
+   version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
+6. exactly the eight tensors (version 1), ten (version 2) or ten or twelve (versions 3 and 4), float32 and
+   (ranks) int32, of the shapes above (step scales `[B, L, H]` with B the number of budgets), agreeing with
+   `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
    max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
@@ -107,13 +118,14 @@ from .allocation import allocate_to_bytes
 from .quantize import MAX_BITS, allocate_bits
 
 #: the newest format this version reads and writes (each file is written at the lowest version that holds it)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 POOLS = ("head", "global")
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
+#: the fields `apply` checks (dtype is information: bases are cast to the model's dtype at `apply`)
 _CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                   "hidden_size", "dtype")
+                   "hidden_size")
 _STR_FIELDS = ("model_type", "architecture", "name_or_path")
 _INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -123,6 +135,9 @@ META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
 TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
 STEP_SCALES = "step_scales"
+STEP_BUDGETS = "step_budgets"
+#: a budget's step scales serve a `Quantized` budget of the same pool within this factor of its bits
+STEP_BUDGET_REACH = 1.5
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
 ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
@@ -133,7 +148,8 @@ _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 @dataclass
 class Components:
     """PCA of keys or of values, all layers stacked, and optionally the components' effect weights and the heads'
-    quantizer step scales. Shapes as in the format spec above."""
+    quantizer step scales (`[budgets, L, H]`, one slice per entry of the artifact's `step_budgets`). Shapes as in
+    the format spec above."""
 
     mean: torch.Tensor
     eigenvalues: torch.Tensor
@@ -187,7 +203,8 @@ class Artifact:
     """Calibrated bases for one model and one mode. Create with `patchkv.calibrate` or `Artifact.load`."""
 
     def __init__(self, *, mode: str, model: dict[str, Any], keys: Components, values: Components,
-                 calibration: dict[str, Any] | None = None):
+                 calibration: dict[str, Any] | None = None, step_budgets: list[tuple[int, str]] | None = None):
+        """step_budgets: with step scales, the `(bits, pool)` of `Quantized` each slice of them was fitted for."""
         if not isinstance(mode, str) or mode not in MODES:
             raise InvalidArtifactError(f"mode must be one of {MODES}, got {mode!r}.")
         if not isinstance(model, dict):
@@ -199,6 +216,7 @@ class Artifact:
         self.keys = keys
         self.values = values
         self.calibration = dict(calibration or {})
+        self.step_budgets = [(b, p) for b, p in step_budgets] if step_budgets is not None else None
         self._validate()
 
     # ----- sizes -------------------------------------------------------------------------------
@@ -228,8 +246,24 @@ class Artifact:
 
     @property
     def format_version(self) -> int:
-        """The version this artifact is written at: 3 with step scales, else 2 with effect weights, else 1."""
-        return 3 if self.has_step_scales else 2 if self.has_effect_weights else 1
+        """The version this artifact is written at: 4 with step scales, else 2 with effect weights, else 1."""
+        return 4 if self.has_step_scales else 2 if self.has_effect_weights else 1
+
+    def step_scales_for(self, bits: int, pool: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step scales (keys, values) `[L, H]` that `Quantized(bits, pool)` codes with: those fitted for that
+        budget, else for the nearest budget of the same pool within a factor `STEP_BUDGET_REACH` of its bits; None
+        if there is none (the Gaussian-matched range). A budget of the other pool never serves: the pools give the
+        same components different bits (on SmolLM2, global-pool scales cost the per-head pool +21% perplexity)."""
+        if not self.has_step_scales:
+            return None
+        import math
+
+        near = [(abs(math.log(b / bits)), i) for i, (b, p) in enumerate(self.step_budgets)
+                if p == pool and max(b / bits, bits / b) <= STEP_BUDGET_REACH]
+        if not near:
+            return None
+        index = min(near)[1]
+        return self.keys.step_scales[index], self.values.step_scales[index]
 
     def bit_allocation(self, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
         """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and token
@@ -326,6 +360,8 @@ class Artifact:
     def metadata(self) -> dict[str, Any]:
         meta = {"format_version": self.format_version, "mode": self.mode, "model": self.model,
                 "calibration": self.calibration}
+        if self.has_step_scales:
+            meta[STEP_BUDGETS] = [{"bits": int(b), "pool": p} for b, p in self.step_budgets]
         meta["checksum"] = _checksum(self.tensors(), meta)
         return meta
 
@@ -388,11 +424,24 @@ class Artifact:
             )
         try:
             _check_model_fields(meta["model"])
-            _check_tensor_set(tensors, meta["format_version"])
+            version = meta["format_version"]
+            _check_tensor_set(tensors, version)
+            budgets = None
+            if version == 4:
+                budgets = _parse_budgets(meta[STEP_BUDGETS], meta["model"]["head_dim"], STEP_BUDGETS)
+            elif version == 3:  # one budget, recorded in the calibration summary: read once, here, into a typed field
+                record = meta["calibration"].get("step_scales")
+                if isinstance(record, dict):
+                    record = {k: record[k] for k in ("bits", "pool") if k in record}
+                budgets = _parse_budgets([record], meta["model"]["head_dim"],
+                                         'calibration["step_scales"] (version 3: the budget of its step scales)')
+                for kind in KINDS:
+                    tensors[f"{kind}.{STEP_SCALES}"] = tensors[f"{kind}.{STEP_SCALES}"].unsqueeze(0)
             parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES),
                                       weights=tensors.get(f"{kind}.{WEIGHTS}"),
                                       step_scales=tensors.get(f"{kind}.{STEP_SCALES}")) for kind in KINDS}
-            return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"], **parts)
+            return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"],
+                       step_budgets=budgets, **parts)
         except InvalidArtifactError as e:
             raise InvalidArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
 
@@ -428,6 +477,17 @@ class Artifact:
             if len(given) == 1:
                 raise InvalidArtifactError(f"{what} must be given for keys and values both, or for neither; "
                                            f"found them for {given[0]} only.")
+        if self.has_step_scales != (self.step_budgets is not None):
+            raise InvalidArtifactError("step scales come with step_budgets (the (bits, pool) each was fitted for), "
+                                       "and step_budgets with step scales; found one without the other.")
+        if self.has_step_scales:
+            self.step_budgets = [tuple(x) for x in _parse_budgets(
+                [{"bits": b, "pool": p} for b, p in self.step_budgets], dim, "step_budgets")]
+            for kind in KINDS:
+                count = getattr(self, kind).step_scales.shape[0]
+                if count != len(self.step_budgets):
+                    raise InvalidArtifactError(f"{kind}.step_scales has {count} budget(s), step_budgets lists "
+                                               f"{len(self.step_budgets)}.")
         found = {"num_hidden_layers": layers, "num_key_value_heads": heads, "head_dim": dim}
         diffs = [f"{k}={self.model[k]} (tensors have {v})" for k, v in found.items() if self.model[k] != v]
         if diffs:
@@ -439,7 +499,9 @@ class Artifact:
                 f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"mean key rank={self.keys.ranks.float().mean():.1f}, "
                 f"mean value rank={self.values.ranks.float().mean():.1f}, "
-                f"compression={self.compression_ratio():.2f}x)")
+                f"compression={self.compression_ratio():.2f}x"
+                + (f", step scales for {', '.join(f'{b} bits/{p}' for b, p in self.step_budgets)}"
+                   if self.has_step_scales else "") + ")")
 
 
 def _path(path: str | Path) -> Path:
@@ -529,11 +591,12 @@ def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
             f"{file} has artifact format version {version!r}; this patchkv reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}. Install the patchkv version that wrote it, or recalibrate."
         )
-    missing = [k for k in META_FIELDS if k not in meta]
-    extra = sorted(k for k in meta if k not in META_FIELDS)
+    fields = META_FIELDS + ((STEP_BUDGETS,) if version == 4 else ())
+    missing = [k for k in fields if k not in meta]
+    extra = sorted(k for k in meta if k not in fields)
     if missing or extra:
         raise InvalidArtifactError(
-            f"{file}: the 'patchkv' metadata must have exactly the fields {list(META_FIELDS)}"
+            f"{file}: the 'patchkv' metadata must have exactly the fields {list(fields)}"
             + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else "") + "."
         )
     claimed = meta["checksum"]
@@ -546,6 +609,28 @@ def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
             raise InvalidArtifactError(f"{file}: '{name}' must be a JSON object, found a JSON "
                                        f"{_json_type(meta[name])} ({meta[name]!r:.60}).")
     return meta
+
+
+def _parse_budgets(budgets: Any, head_dim: int, where: str) -> list[tuple[int, str]]:
+    """Step 5 for `step_budgets`: a non-empty list of distinct {"bits": int in [1, 8 head_dim], "pool": one of
+    POOLS} objects -> [(bits, pool), ...]."""
+    if not isinstance(budgets, list) or not budgets:
+        raise InvalidArtifactError(f"{where} must be a non-empty list of budgets, got {budgets!r:.80}.")
+    out = []
+    for budget in budgets:
+        if not isinstance(budget, dict) or sorted(budget) != ["bits", "pool"]:
+            raise InvalidArtifactError(f"{where}: each budget must be an object with exactly the fields 'bits' and "
+                                       f"'pool', got {budget!r:.80}.")
+        bits, pool = budget["bits"], budget["pool"]
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= MAX_BITS * head_dim:
+            raise InvalidArtifactError(f"{where}: bits must be an integer in [1, {MAX_BITS * head_dim}], got "
+                                       f"{bits!r:.40}.")
+        if pool not in POOLS:
+            raise InvalidArtifactError(f"{where}: pool must be one of {POOLS}, got {pool!r:.40}.")
+        out.append((bits, pool))
+    if len(set(out)) != len(out):
+        raise InvalidArtifactError(f"{where} lists a budget twice: {out}.")
+    return out
 
 
 def _json_type(value: Any) -> str:
@@ -574,10 +659,11 @@ def _check_model_fields(model: dict[str, Any]) -> None:
 
 
 def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int) -> None:
-    """Step 6: exactly the eight (version 1), ten (version 2) or ten or twelve (version 3: step scales, with or
-    without effect weights) tensors, float32 / int32 as stored in the file."""
-    with_weights = version == 2 or (version == 3 and any(name.endswith(f".{WEIGHTS}") for name in tensors))
-    stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if version == 3 else ())
+    """Step 6: exactly the eight (version 1), ten (version 2) or ten or twelve (versions 3 and 4: step scales, with
+    or without effect weights) tensors, float32 / int32 as stored in the file."""
+    scaled = version in (3, 4)
+    with_weights = version == 2 or (scaled and any(name.endswith(f".{WEIGHTS}") for name in tensors))
+    stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if scaled else ())
     names = {f"{kind}.{n}" for kind in KINDS for n in stored}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
@@ -611,7 +697,7 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
     if c.weights is not None:
         expected[WEIGHTS] = (layers, heads, dim)
     if c.step_scales is not None:
-        expected[STEP_SCALES] = (layers, heads)
+        expected[STEP_SCALES] = (c.step_scales.shape[0] if c.step_scales.dim() == 3 else -1, layers, heads)
     for name, shape in expected.items():
         t = getattr(c, name)
         if not isinstance(t, torch.Tensor):
@@ -623,7 +709,8 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
             raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected "
                                        f"{' or '.join(dtype_name(d) for d in allowed)}.")
         if name != "ranks":
-            finite = torch.isfinite(t).reshape(layers, heads, -1).all(-1)
+            finite = torch.isfinite(t)
+            finite = finite.all(0) if name == STEP_SCALES else finite.reshape(layers, heads, -1).all(-1)
             if not finite.all():
                 raise _where(kind, name, ~finite, "holds NaN or Inf values")
     _check_ranks(kind, c.ranks, dim)
@@ -631,7 +718,7 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
         bad = (c.weights < 0).any(-1)
         raise _where(kind, WEIGHTS, bad, f"effect weights must be >= 0, found {c.weights[c.weights < 0].min().item():.3g}")
     if c.step_scales is not None and (c.step_scales <= 0).any():
-        raise _where(kind, STEP_SCALES, c.step_scales <= 0,
+        raise _where(kind, STEP_SCALES, (c.step_scales <= 0).any(0),
                      f"step scales must be > 0, found {c.step_scales[c.step_scales <= 0].min().item():.3g}")
     ev = c.eigenvalues.double()
     tol = EIGENVALUE_RTOL * ev.abs().amax(-1)  # [layers, heads]

@@ -235,7 +235,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             raise ValueError(f"--top-k-rank {args.top_k_rank} exceeds head_dim={art.head_dim}.")
     model, tokenizer = _load_model(args.model, args.dtype, args.gguf_file)
     for name, art in zip(args.artifact, loaded):
-        _check_compatible(name, art, model, args.dtype)
+        art.check_compatible(model)
     for art in artifacts:
         art.check_compatible(model)
         with patched(model, art, methods):  # every check of apply, before the unpatched baseline runs
@@ -251,25 +251,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if args.sweep:
             plot(rows, out / f"{stem}.png")
         print(f"wrote {out / stem}.{{csv,md{',png' if args.sweep else ''}}}")
-
-
-def _check_compatible(name: str, art, model, dtype: str) -> None:
-    """`art.check_compatible(model)`; an artifact that differs only in dtype gets the flag that fixes it."""
-    from .artifact import _CHECKED_FIELDS, model_identity
-
-    try:
-        art.check_compatible(model)
-    except IncompatibleArtifactError as e:
-        found = model_identity(model)
-        wanted = art.model.get("dtype")
-        if any(art.model.get(f) != found[f] for f in _CHECKED_FIELDS if f != "dtype"):
-            raise
-        fix = (f"run with --dtype {wanted} to load the model in the artifact's precision" if wanted in DTYPES else
-               f"the CLI cannot load a model in {wanted}: calibrate an artifact with --dtype {dtype}")
-        raise IncompatibleArtifactError(
-            f"--artifact {name} was calibrated for the model in {wanted}, and --dtype {dtype} loads it in "
-            f"{found['dtype']}: {fix} (in Python, artifact.to_dtype(torch.{found['dtype']}) accepts the precision "
-            "change).") from e
 
 
 def cmd_info(args: argparse.Namespace) -> None:

@@ -13,8 +13,10 @@ coordinate descent over `grid` (keys, then values, then keys again). The artifac
 and head (format version 3), so finer fits can be written in the same format; a per-head fit of attention
 output error alone was tried on SmolLM2 and lost to one scale per kind on held-out perplexity.
 
-Scales are fitted for one budget and recorded with it in `calibration["step_scales"]`; other budgets read the
-same scales.
+Scales are fitted per budget: the artifact keeps one set per `(bits, pool)` (`Artifact.step_budgets`, format
+version 4), and `Quantized(bits, pool)` reads the set fitted for its budget, or for the nearest of its pool
+(`Artifact.step_scales_for`). Each fit's trials are recorded, for information, in
+`calibration["step_scale_fits"]`.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
 
     def loss(scales: tuple[float, float]) -> float:
         if scales not in tried:
-            with patched(model, with_step_scales(artifact, *scales), methods):
+            with patched(model, with_step_scales(artifact, *scales, bits=bits, pool=pool), methods):
                 tried[scales] = token_loss(model, input_ids, chunk)
         return tried[scales]
 
@@ -64,25 +66,31 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
     for kind in (0, 1, 0):  # keys, values, keys again
         candidates = [tuple(s if i == kind else best[i] for i in range(2)) for s in grid]
         best = min(candidates, key=lambda c: (loss(c), c))
-    out = with_step_scales(artifact, *best)
-    out.calibration = {**artifact.calibration, "step_scales": {
+    out = with_step_scales(artifact, *best, bits=bits, pool=pool)
+    fits = [f for f in artifact.calibration.get("step_scale_fits", []) if isinstance(f, dict)
+            and (f.get("bits"), f.get("pool")) != (bits, pool)]
+    out.calibration["step_scale_fits"] = fits + [{
         "bits": bits, "pool": pool, "sink_tokens": sink_tokens, "window": window, "chunk": chunk,
         "tokens": int(input_ids.numel()), "keys": best[0], "values": best[1],
-        "tried": [[k, v, round(nll, 6)] for (k, v), nll in sorted(tried.items())]}}
+        "tried": [[k, v, round(nll, 6)] for (k, v), nll in sorted(tried.items())]}]
     return out
 
 
-def with_step_scales(artifact: Artifact, keys: float, values: float) -> Artifact:
-    """A copy (tensors shared) whose every head has step scale `keys` for keys and `values` for values. The
-    record of an earlier fit (`calibration["step_scales"]`) is dropped: it described other scales, and its pool
-    would decide which `Quantized` pool reads these (`Quantized.reads_step_scales`)."""
+def with_step_scales(artifact: Artifact, keys: float, values: float, *, bits: int, pool: str) -> Artifact:
+    """A copy (tensors shared) with step scale `keys` on every head's keys and `values` on every head's values for
+    the budget `Quantized(bits, pool)`, replacing the artifact's set for that budget or added to its sets."""
+    budgets = list(artifact.step_budgets or [])
+    index = budgets.index((bits, pool)) if (bits, pool) in budgets else len(budgets)
+    budgets[index:index + 1] = [(bits, pool)]
     parts = {}
     for kind, scale in zip(KINDS, (keys, values)):
         c = getattr(artifact, kind)
-        parts[kind] = Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks, c.weights,
-                                 torch.full(tuple(c.ranks.shape), float(scale)))
-    calibration = {k: v for k, v in artifact.calibration.items() if k != "step_scales"}
-    return Artifact(mode=artifact.mode, model=artifact.model, calibration=calibration, **parts)
+        new = torch.full((1, *c.ranks.shape), float(scale))
+        old = c.step_scales.float() if c.step_scales is not None else new[:0]
+        stacked = torch.cat([old[:index], new, old[index + 1:]])
+        parts[kind] = Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks, c.weights, stacked)
+    return Artifact(mode=artifact.mode, model=artifact.model, calibration=dict(artifact.calibration),
+                    step_budgets=budgets, **parts)
 
 
 def token_loss(model: nn.Module, input_ids: torch.Tensor, chunk: int) -> float:

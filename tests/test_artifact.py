@@ -82,11 +82,15 @@ def test_other_family_is_refused(artifact):
     assert_refused(make_model("qwen2"), artifact, patchkv.IncompatibleArtifactError, "model_type")
 
 
-def test_dtype_mismatch_is_refused_with_a_fix(artifact):
-    model = make_model("llama", dtype=torch.bfloat16)
-    assert_refused(model, artifact, patchkv.IncompatibleArtifactError, "dtype", "to_dtype(torch.bfloat16)")
-    patchkv.apply(model, artifact.to_dtype(torch.bfloat16))  # the suggested fix works
-    assert patchkv.is_patched(model)
+def test_an_artifact_applies_to_the_model_in_any_floating_dtype(artifact):
+    """The artifact records the calibration dtype as information; bases are cast once, at apply."""
+    assert artifact.model["dtype"] == "float32"
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        model = make_model("llama", dtype=dtype)
+        with patchkv.patched(model, artifact):
+            lp = model.model.layers[0].self_attn.patchkv
+            assert lp.keys.basis.basis.dtype == dtype
+            assert torch.isfinite(model(calibration_ids(1, 12)).logits).all()
 
 
 def test_corrupted_file_is_refused(tmp_path, model, artifact):

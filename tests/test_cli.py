@@ -299,28 +299,36 @@ def test_empty_and_unexpandable_paths_are_one_line(tmp_path, capsys, monkeypatch
         assert_one_line_error(code, err, status, fragment)
 
 
-def _reference_with_junk_calibration(tmp_path):
+def test_junk_in_the_free_form_calibration_is_never_read(tmp_path, capsys, monkeypatch):
+    """Runtime reads typed fields only: junk in the free-form calibration summary of a version 4 artifact with step
+    scales changes nothing (the evaluation starts); a version 3 file whose summary does not name its step scales'
+    budget is refused at load, in one line."""
     from patchkv.artifact import Artifact, Components
+    from test_reliability_artifact import read, write
 
-    art = Artifact.load(PRE)
-    parts = {kind: Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks,
-                              step_scales=torch.ones(c.ranks.shape)) for kind, c in
-             (("keys", art.keys), ("values", art.values))}
-    junk = Artifact(mode=art.mode, model=art.model, calibration={"step_scales": "x"}, **parts)
-    return junk.save(tmp_path / "junk.safetensors")
-
-
-def test_junk_in_the_free_form_calibration_is_one_line(tmp_path, capsys, monkeypatch):
-    """quantized reads calibration["step_scales"]["pool"]; a string there raises inside apply. Whatever escapes
-    is one line (the baseline never starts)."""
     def reached(*a, **k):
         raise Forbidden("the evaluation started")
 
     monkeypatch.setattr(patchkv.evaluate, "evaluate", reached)
-    file = _reference_with_junk_calibration(tmp_path)
-    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(file), "--bits", "64",
+    art = Artifact.load(PRE)
+    parts = {kind: Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks,
+                              step_scales=torch.ones((1, *c.ranks.shape))) for kind, c in
+             (("keys", art.keys), ("values", art.values))}
+    junk = Artifact(mode=art.mode, model=art.model, calibration={"step_scales": "x"}, step_budgets=[(64, "head")],
+                    **parts)
+    file = junk.save(tmp_path / "junk.safetensors")
+    with pytest.raises(Forbidden):
+        cli.main(["eval", "--model", MODEL, "--artifact", str(file), "--bits", "64", "--tasks",
+                  "patchkv_shakespeare_ppl", "--limit", "1"])
+    tensors, meta = read(file)
+    for kind in ("keys", "values"):
+        tensors[f"{kind}.step_scales"] = tensors[f"{kind}.step_scales"][0].contiguous()
+    meta["format_version"] = 3
+    del meta["step_budgets"]
+    old = write(tmp_path / "v3.safetensors", tensors, meta)
+    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(old), "--bits", "64",
                              "--tasks", "patchkv_shakespeare_ppl", "--limit", "1"], capsys)
-    assert_one_line_error(code, err, 1, "(unexpected; PATCHKV_DEBUG=1 shows the traceback)")
+    assert_one_line_error(code, err, 1, "the budget of its step scales")
 
 
 def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
@@ -339,19 +347,17 @@ def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(capsys, mo
         cli.main(["info", ""])
 
 
-def test_dtype_mismatch_names_the_flag(tmp_path, capsys, monkeypatch):
-    def forbidden(*a, **k):
-        raise Forbidden("the baseline started")
+def test_an_artifact_in_another_dtype_evaluates(tmp_path, capsys, monkeypatch):
+    """The artifact's dtype is information: a bfloat16-recorded artifact runs on the float32 model (bases are cast
+    at apply); the evaluation starts."""
+    def reached(*a, **k):
+        raise Forbidden("the evaluation started")
 
-    monkeypatch.setattr(patchkv.evaluate, "evaluate", forbidden)
+    monkeypatch.setattr(patchkv.evaluate, "evaluate", reached)
     half = patchkv.Artifact.load(PRE).to_dtype(torch.bfloat16).save(tmp_path / "bf16.safetensors")
-    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(half), "--tasks", "patchkv_shakespeare_ppl",
-                             "--limit", "1"], capsys)
-    assert_one_line_error(code, err, 1, "run with --dtype bfloat16", "--dtype float32 loads it in float32")
-    wide = patchkv.Artifact.load(PRE).to_dtype(torch.float64).save(tmp_path / "f64.safetensors")
-    code, _, err = run_main(["eval", "--model", MODEL, "--artifact", str(wide), "--tasks", "patchkv_shakespeare_ppl",
-                             "--limit", "1"], capsys)
-    assert_one_line_error(code, err, 1, "calibrate an artifact with --dtype float32")
+    with pytest.raises(Forbidden):
+        cli.main(["eval", "--model", MODEL, "--artifact", str(half), "--tasks", "patchkv_shakespeare_ppl",
+                  "--limit", "1"])
 
 
 CTRL_C_DURING_IMPORT = """

@@ -1,5 +1,6 @@
-"""Step scales (artifact format version 3, `patchkv.steps`): stored, validated, read by `Quantized`, fitted on the
-model's own loss through the cache."""
+"""Step scales (artifact format version 4, `patchkv.steps`): one set per budget, stored with typed budgets,
+validated, read by `Quantized` for its own budget, fitted on the model's own loss through the cache; version 3
+files (one set, its budget in the free-form summary) load as one budget or are refused."""
 
 import copy
 
@@ -22,58 +23,89 @@ def fitted(model, weighted):
                                    sink_tokens=2, window=4, grid=(1.0, 3.0))
 
 
-def test_version_3_round_trips_with_and_without_effect_weights(tmp_path, fitted):
-    tensors, meta = read(fitted.save(tmp_path / "v3.safetensors"))
-    assert meta["format_version"] == 3 and len(tensors) == 12
-    back = Artifact.load(tmp_path / "v3.safetensors")
+def test_version_4_round_trips_with_and_without_effect_weights(tmp_path, fitted):
+    tensors, meta = read(fitted.save(tmp_path / "v4.safetensors"))
+    assert meta["format_version"] == 4 and len(tensors) == 12
+    assert meta["step_budgets"] == [{"bits": 12, "pool": "global"}] and tensors["keys.step_scales"].shape == (1, 2, 2)
+    back = Artifact.load(tmp_path / "v4.safetensors")
     assert torch.equal(back.keys.step_scales, fitted.keys.step_scales.float())
-    assert back.calibration["step_scales"]["bits"] == 12
+    assert back.step_budgets == [(12, "global")]
     plain = copy.deepcopy(fitted)
     plain.keys.weights = plain.values.weights = None
-    tensors, meta = read(plain.save(tmp_path / "v3plain.safetensors"))
-    assert meta["format_version"] == 3 and len(tensors) == 10
-    assert Artifact.load(tmp_path / "v3plain.safetensors").values.weights is None
+    tensors, meta = read(plain.save(tmp_path / "v4plain.safetensors"))
+    assert meta["format_version"] == 4 and len(tensors) == 10
+    assert Artifact.load(tmp_path / "v4plain.safetensors").values.weights is None
 
 
-@pytest.mark.parametrize("version, edit, fragment", [
-    (3, lambda t: t.pop("values.step_scales"), "missing ['values.step_scales']"),
-    (2, lambda t: None, "unexpected ['keys.step_scales', 'values.step_scales']"),
-    (3, lambda t: t.update({"keys.step_scales": torch.zeros_like(t["keys.step_scales"])}),
-     "keys.step_scales at layer 0, head 0: step scales must be > 0"),
-    (3, lambda t: t.update({"keys.step_scales": t["keys.step_scales"][:, :1].contiguous()}),
-     "keys.step_scales has shape"),
-    (3, lambda t: t.update({"values.step_scales": t["values.step_scales"] * float("nan")}), "NaN"),
-])
-def test_bad_step_scales_are_refused(tmp_path, fitted, version, edit, fragment):
+def version_3(tmp_path, fitted, record):
+    """A version 3 file as the previous format wrote it: scales [L, H], their budget in calibration["step_scales"]."""
     tensors, meta = read(fitted.save(tmp_path / "a.safetensors"))
-    edit(tensors)
-    meta["format_version"] = version
+    for kind in ("keys", "values"):
+        tensors[f"{kind}.step_scales"] = tensors[f"{kind}.step_scales"][0].contiguous()
+    meta["format_version"] = 3
+    del meta["step_budgets"]
+    meta["calibration"] = {**meta["calibration"], "step_scales": record}
+    return write(tmp_path / "v3.safetensors", tensors, meta)
+
+
+def test_version_3_loads_as_one_budget_and_junk_records_are_refused(tmp_path, fitted):
+    back = Artifact.load(version_3(tmp_path, fitted, {"bits": 12, "pool": "global", "keys": 3.0}))
+    assert back.step_budgets == [(12, "global")] and back.keys.step_scales.shape == (1, 2, 2)
+    assert back.format_version == 4  # saved again, it is written at version 4
+    for junk in ("x", None, [12], {"bits": "12", "pool": "global"}, {"pool": "global"}):
+        with pytest.raises(ArtifactError, match=r"version 3: the budget of its step scales"):
+            Artifact.load(version_3(tmp_path, fitted, junk))
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda t, m: t.pop("values.step_scales"), "missing ['values.step_scales']"),
+    (lambda t, m: m.update(format_version=2) or m.pop("step_budgets"), "unexpected ['keys.step_scales'"),
+    (lambda t, m: m.pop("step_budgets"), "missing ['step_budgets']"),
+    (lambda t, m: t.update({"keys.step_scales": torch.zeros_like(t["keys.step_scales"])}),
+     "keys.step_scales at layer 0, head 0: step scales must be > 0"),
+    (lambda t, m: t.update({"keys.step_scales": t["keys.step_scales"][:, :, :1].contiguous()}),
+     "keys.step_scales has shape"),
+    (lambda t, m: t.update({"values.step_scales": t["values.step_scales"] * float("nan")}), "NaN"),
+    (lambda t, m: m.update(step_budgets=[{"bits": 12, "pool": "global"}, {"bits": 20, "pool": "global"}]),
+     "has 1 budget(s), step_budgets lists 2"),
+    (lambda t, m: m.update(step_budgets=[{"bits": 12, "pool": "global"}] * 2), "lists a budget twice"),
+    (lambda t, m: m.update(step_budgets=[]), "non-empty list"),
+    (lambda t, m: m.update(step_budgets=[{"bits": "12", "pool": "global"}]), "bits must be an integer"),
+    (lambda t, m: m.update(step_budgets=[{"bits": 12, "pool": "layer"}]), "pool must be one of"),
+    (lambda t, m: m.update(step_budgets=[{"bits": 12, "pool": "head", "x": 1}]), "exactly the fields 'bits' and 'pool'"),
+])
+def test_bad_step_scales_are_refused(tmp_path, fitted, edit, fragment):
+    tensors, meta = read(fitted.save(tmp_path / "a.safetensors"))
+    edit(tensors, meta)
     with pytest.raises(ArtifactError) as info:
         Artifact.load(write(tmp_path / "b.safetensors", tensors, meta))
     assert fragment in str(info.value)
 
 
-def test_step_scales_for_keys_only_are_refused(fitted):
+def test_step_scales_for_keys_only_or_without_budgets_are_refused(fitted):
     keys_only = copy.deepcopy(fitted)
     keys_only.values.step_scales = None
     with pytest.raises(InvalidArtifactError, match="step scales must be given for keys and values both"):
         keys_only._validate()
+    unbudgeted = copy.deepcopy(fitted)
+    unbudgeted.step_budgets = None
+    with pytest.raises(InvalidArtifactError, match="step scales come with step_budgets"):
+        unbudgeted._validate()
 
 
-def test_quantized_codes_read_the_scales(model, weighted):
+def test_quantized_codes_read_the_scales_of_their_budget(model, weighted):
     """Scale 1 is the Gaussian-matched quantizer exactly; scale s multiplies every step of that kind by s."""
     methods = [patchkv.SinksWindow(2, 4), patchkv.Quantized(32)]
     ids = calibration_ids(1, 30, seed=3)
     key_bits, layer = weighted.bit_allocation(32)[0], 1
     logits = {}
-    for name, artifact in (("none", weighted), ("one", with_step_scales(weighted, 1.0, 1.0)),
-                           ("wide", with_step_scales(weighted, 2.0, 1.0))):
+    for name, artifact in (("none", weighted), ("one", with_step_scales(weighted, 1.0, 1.0, bits=32, pool="head")),
+                           ("wide", with_step_scales(weighted, 2.0, 1.0, bits=32, pool="head"))):
         with patchkv.patched(model, artifact, methods):
             patch = model.model.layers[layer].self_attn.patchkv
-            codecs = patch.keys, patch.values
             logits[name] = fed_in_chunks(model, ids, 3)
             if name == "wide":
-                quantizer = codecs[0].quantizer
+                quantizer = patch.keys.quantizer
                 rank = quantizer.shape[1]
                 bits = key_bits[layer][:, :rank].flatten()
                 std = weighted.keys.eigenvalues[layer][:, :rank].flatten().sqrt()
@@ -84,14 +116,35 @@ def test_quantized_codes_read_the_scales(model, weighted):
     assert not torch.allclose(logits["none"], logits["wide"])
 
 
+def test_each_budget_reads_its_own_scales_the_nearest_of_its_pool_or_none(weighted):
+    """Two budgets in one artifact: each `Quantized(bits, pool)` gets the set fitted for its budget, a budget in
+    between the nearest of its pool (within a factor 1.5), the other pool or a far budget none."""
+    art = with_step_scales(weighted, 2.0, 3.0, bits=32, pool="global")
+    art = with_step_scales(art, 5.0, 7.0, bits=12, pool="global")
+    art = with_step_scales(art, 1.5, 1.5, bits=32, pool="global")  # replaces the first set
+    assert art.step_budgets == [(32, "global"), (12, "global")]
+    assert float(art.step_scales_for(32, "global")[0][0, 0]) == 1.5
+    assert float(art.step_scales_for(12, "global")[1][0, 0]) == 7.0
+    assert float(art.step_scales_for(14, "global")[0][0, 0]) == 5.0  # nearest: 12
+    assert float(art.step_scales_for(40, "global")[0][0, 0]) == 1.5  # nearest: 32
+    assert art.step_scales_for(32, "head") is None  # the other pool never
+    assert art.step_scales_for(64, "global") is None  # beyond the reach of any fit
+    for bits, pool, scale in ((32, "global", 1.5), (12, "global", 5.0), (32, "head", None)):
+        codec = patchkv.Quantized(bits, pool=pool).codecs(art, [2, 2], torch.float32)[0][0]
+        plain = patchkv.Quantized(bits, pool=pool).codecs(weighted, [2, 2], torch.float32)[0][0]
+        ratio = codec.quantizer.step[plain.quantizer.step > 0] / plain.quantizer.step[plain.quantizer.step > 0]
+        assert torch.allclose(ratio, torch.full_like(ratio, scale or 1.0))
+
+
 def test_fit_takes_the_scales_of_lowest_loss_and_records_them(model, fitted):
-    fit = fitted.calibration["step_scales"]
+    fit = fitted.calibration["step_scale_fits"][-1]
+    assert (fit["bits"], fit["pool"]) == (12, "global")
     tried = {(k, v): nll for k, v, nll in fit["tried"]}
     best = (fit["keys"], fit["values"])
     assert set(best) <= {1.0, 3.0} and (1.0, 1.0) in tried
     assert tried[best] == min(tried[c] for c in tried if c[1] == best[1] or c[0] == best[0])
-    assert torch.equal(fitted.keys.step_scales, torch.full((2, 2), best[0]))
-    assert torch.equal(fitted.values.step_scales, torch.full((2, 2), best[1]))
+    assert torch.equal(fitted.keys.step_scales, torch.full((1, 2, 2), best[0]))
+    assert torch.equal(fitted.values.step_scales, torch.full((1, 2, 2), best[1]))
     # the recorded loss is the patched model's own, token by token through the cache (an independent count)
     ids = calibration_ids(2, 40, seed=9)
     with patchkv.patched(model, fitted, [patchkv.SinksWindow(2, 4), patchkv.Quantized(12, pool="global")]):
@@ -115,30 +168,12 @@ def test_fit_refuses_a_patched_model_and_short_text(model, weighted):
             patchkv.fit_step_scales(model, weighted, calibration_ids(1, 40), bits=12)
 
 
-def test_scales_apply_only_to_the_pool_they_were_fitted_for(model, fitted):
-    """`fitted` was fitted for the global pool: the per-head pool codes with the Gaussian-matched steps."""
-    wide = with_step_scales(fitted, 3.0, 3.0)
-    wide.calibration["step_scales"] = dict(fitted.calibration["step_scales"])
-    assert patchkv.Quantized(12, pool="global").reads_step_scales(wide)
-    assert not patchkv.Quantized(12).reads_step_scales(wide)
-    unfitted = copy.deepcopy(wide)
-    del unfitted.calibration["step_scales"]  # scales without a record of their fit apply to either pool
-    assert patchkv.Quantized(12).reads_step_scales(unfitted)
-    ids = calibration_ids(1, 30, seed=3)
-    plain = copy.deepcopy(fitted)
-    plain.keys.step_scales = plain.values.step_scales = None
-    logits = []
-    for artifact in (wide, plain):
-        with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(32)]):
-            logits.append(fed_in_chunks(model, ids, 3))
-    assert torch.equal(logits[0], logits[1])  # per-head codes ignore scales fitted for the global pool
-
-
-def test_refitting_for_the_other_pool_measures_scaled_codes(model, fitted):
-    """Refitting an artifact fitted for the global pool, for the per-head pool: every trial reads its own scales
-    (the earlier fit's record, whose pool would switch them off, is not carried into the trials)."""
+def test_fitting_another_budget_adds_a_set_and_keeps_the_first(model, fitted):
+    """Fitting the per-head pool after the global one: every trial reads its own scales, and both sets stay."""
     refit = patchkv.fit_step_scales(model, fitted, calibration_ids(2, 40, seed=9), bits=32, pool="head",
                                     sink_tokens=2, window=4, grid=(1.0, 3.0))
-    losses = [nll for _, _, nll in refit.calibration["step_scales"]["tried"]]
-    assert refit.calibration["step_scales"]["pool"] == "head" and len(set(losses)) == len(losses)
-    assert patchkv.Quantized(32).reads_step_scales(refit)
+    losses = [nll for _, _, nll in refit.calibration["step_scale_fits"][-1]["tried"]]
+    assert len(set(losses)) == len(losses)
+    assert refit.step_budgets == [(12, "global"), (32, "head")]
+    assert torch.equal(refit.keys.step_scales[0], fitted.keys.step_scales[0])
+    assert [(f["bits"], f["pool"]) for f in refit.calibration["step_scale_fits"]] == [(12, "global"), (32, "head")]

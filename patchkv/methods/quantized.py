@@ -1,8 +1,8 @@
 """`Quantized`: transform coding. Bits are allocated over the PCA components, each component is quantized by
 a uniform quantizer matched to a Gaussian of its variance, and codes are packed at a fixed rate (no per-token
 scales), so the cache holds a fixed number of bytes per token. An artifact with step scales
-(`patchkv.steps.fit_step_scales`) widens or narrows each head's quantizer range by its fitted factor, for the
-pool the scales were fitted for (`Quantized.reads_step_scales`).
+(`patchkv.steps.fit_step_scales`) widens or narrows each head's quantizer range by the factor fitted for this
+budget, or the nearest of the same pool (`Artifact.step_scales_for`: typed fields of the artifact only).
 
 Two allocations (`pool`):
 - "head": every KV head's keys and values get exactly `bits` bits per token, by dynamic programming on the
@@ -72,26 +72,17 @@ class Quantized(CodecMethod):
     def spec(self) -> str:
         return f"quantized:bits={self.bits}" + ("" if self.pool == "head" else f",pool={self.pool}")
 
-    def reads_step_scales(self, artifact) -> bool:
-        """Whether this method's codes use the artifact's step scales: only with the pool they were fitted for
-        (`calibration["step_scales"]["pool"]`, or any pool if the artifact does not say). The two pools give
-        the same components different bits, and a range fitted for one misfits the other (on SmolLM2,
-        global-pool scales cost the per-head pool +21% token perplexity on 2k tokens of prose)."""
-        if not artifact.has_step_scales:
-            return False
-        return artifact.calibration.get("step_scales", {}).get("pool", self.pool) == self.pool
-
     def codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
         if self.bits > artifact.head_dim * MAX_BITS:
             raise ValueError(f"quantized: bits must be <= {artifact.head_dim * MAX_BITS} (head_dim "
                              f"{artifact.head_dim} x {MAX_BITS} bits), got {self.bits}.")
-        scaled = self.reads_step_scales(artifact)
+        scales = artifact.step_scales_for(self.bits, self.pool)
         out = []
         for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *artifact.bit_allocation(self.bits, self.pool))):
             pair = []
-            for c, bits in ((artifact.keys, key_bits), (artifact.values, value_bits)):
+            for kind, c, bits in ((0, artifact.keys, key_bits), (1, artifact.values, value_bits)):
                 ranks = [int((row > 0).nonzero().max()) + 1 if row.any() else 1 for row in bits]
                 basis = LatentBasis(c.mean[i], c.eigenvectors[i], ranks, groups, dtype)
-                pair.append(QuantizedCodec(basis, bits, c.eigenvalues[i], c.step_scales[i] if scaled else None))
+                pair.append(QuantizedCodec(basis, bits, c.eigenvalues[i], None if scales is None else scales[kind][i]))
             out.append(tuple(pair))
         return out
