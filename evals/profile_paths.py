@@ -35,7 +35,7 @@ import patchkv
 TOP = {"calibrate": ("patchkv::moments", "patchkv::fisher_backward", "patchkv::pca"),
        "forward": ("patchkv::dense_operands", "patchkv::attention_function", "patchkv::encode",
                    "patchkv::decode_attention", "patchkv::select")}
-NESTED = ("patchkv::reconstruct", "patchkv::scores", "patchkv::weighted_sums", "patchkv::unpack")
+NESTED = ("patchkv::attend", "patchkv::reconstruct", "patchkv::scores", "patchkv::unpack")
 
 
 def prose_ids(tokenizer, n: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ def enabled() -> bool:
 
 @functools.cache
 def extension() -> ModuleType | None:
-    """The built module (`unpack`, `reconstruct`, `scores`, `weighted_sums`), or None (disabled, or the build
+    """The built module (`unpack`, `reconstruct`, `scores`, `attend`, `encode`), or None (disabled, or the build
     failed: a warning says why, once)."""
     if not enabled():
         return None

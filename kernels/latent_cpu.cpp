@@ -24,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -108,13 +109,15 @@ void unpack_block(const T* src, int64_t W, int64_t count, const Table& t, int64_
       float* out = coef + i * stride;
       int32_t k = 0;
 #if defined(__AVX512F__)
-      for (; k + 16 <= K; k += 16) {
-        const __m512i at = _mm512_loadu_si512(t.byte + first + k);
-        const __m512i bits = _mm512_i32gather_epi32(at, row, 1);
-        const __m512i v = _mm512_and_si512(_mm512_srlv_epi32(bits, _mm512_loadu_si512(t.shift + first + k)),
-                                           _mm512_loadu_si512(t.mask + first + k));
-        _mm512_storeu_ps(out + k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(t.step + first + k),
-                                                  _mm512_loadu_ps(t.offset + first + k)));
+      for (; k < K; k += 16) {  // the last 16 masked: no scalar tail
+        const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+        const __m512i at = _mm512_maskz_loadu_epi32(m, t.byte + first + k);
+        const __m512i bits = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, row, 1);
+        const __m512i v = _mm512_and_si512(_mm512_srlv_epi32(bits, _mm512_maskz_loadu_epi32(m, t.shift + first + k)),
+                                           _mm512_maskz_loadu_epi32(m, t.mask + first + k));
+        _mm512_mask_storeu_ps(out + k, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v),
+                                                          _mm512_maskz_loadu_ps(m, t.step + first + k),
+                                                          _mm512_maskz_loadu_ps(m, t.offset + first + k)));
       }
 #elif defined(__AVX2__)
       for (; k + 8 <= K; k += 8) {
@@ -212,6 +215,96 @@ RebuildFn rebuild_for(int64_t D) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same sum with bfloat16 products accumulated in float32 (`vdpbf16ps`: two components per instruction):
+// `pairs` holds the rows two by two, [K / 2][NV][32] bfloat16 = (row 2m, row 2m + 1) interleaved lane by lane,
+// coefficients are rounded to bfloat16 in pairs. For models that compute in half precision themselves.
+template <int NV>
+inline void rebuild_bf16(const float* coef, int64_t stride, int64_t n, int32_t K, const uint16_t* pairs,
+                         const float* mean, float* out) {
+  constexpr int64_t D = NV * 16;
+  __m512 acc[TB][NV];
+  for (int j = 0; j < TB; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_loadu_ps(mean + v * 16);
+  alignas(64) uint32_t packed[TB][128];  // coefficients in bfloat16, two per uint32 (K <= 256)
+  for (int64_t j = 0; j < n; ++j)
+    for (int32_t k = 0; k < K; k += 32) {  // 32 coefficients -> 32 bfloat16 in order: pairs (2m, 2m + 1)
+      const __mmask16 lo = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      const __mmask16 hi = K - k >= 32 ? __mmask16(0xFFFF) : K - k <= 16 ? __mmask16(0) :
+                                                              __mmask16((1u << (K - k - 16)) - 1);
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, coef + j * stride + k + 16),
+                                                _mm512_maskz_loadu_ps(lo, coef + j * stride + k));
+      _mm512_store_si512(packed[j] + k / 2, reinterpret_cast<__m512i>(both));
+    }
+  for (int32_t m = 0; m < (K + 1) / 2; ++m) {
+    __m512bh u[NV];
+    for (int v = 0; v < NV; ++v) u[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + (m * NV + v) * 32));
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512bh c = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(packed[j][m])));
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], c, u[v]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + j * D + v * 16, acc[j][v]);
+}
+#endif
+
+// Rebuilds a head's vectors: float32 products, or bfloat16 products (`half`, where the CPU has them and head_dim
+// is a multiple of 16 up to 256, with at most 256 components per head).
+struct Rebuilder {
+  const Table& t;
+  const float* rows;
+  const float* mean;
+  int64_t D;
+  RebuildFn fast = nullptr;
+  bool half = false;
+  std::vector<std::vector<uint16_t>> pairs;  // per head, for the bfloat16 path
+  int nv = 0;
+
+  Rebuilder(const Table& table, const float* rows_, const float* mean_, int64_t D_, bool want_half)
+      : t(table), rows(rows_), mean(mean_), D(D_), fast(rebuild_for(D_)) {
+#if defined(__AVX512BF16__)
+    half = want_half && D % 16 == 0 && D / 16 <= 16 && t.widest <= 256;
+    if (!half) return;
+    nv = int(D / 16);
+    pairs.resize(t.heads);
+    for (int64_t h = 0; h < t.heads; ++h) {
+      const int32_t first = t.head_start[h], K = t.head_start[h + 1] - first, M = (K + 1) / 2;
+      auto& p = pairs[h];
+      p.assign(size_t(M) * nv * 32, 0);
+      for (int32_t m = 0; m < M; ++m)
+        for (int v = 0; v < nv; ++v)
+          for (int i = 0; i < 16; ++i)
+            for (int e = 0; e < 2; ++e) {
+              const int32_t k = 2 * m + e;
+              const float x = k < K ? rows[(first + k) * D + v * 16 + i] : 0.f;
+              p[((m * nv + v) * 16 + i) * 2 + e] = at::BFloat16(x).x;
+            }
+    }
+#else
+    (void)want_half;
+#endif
+  }
+
+  void operator()(const float* coef, int64_t stride, int64_t n, int64_t h, float* out) const {
+    const int32_t first = t.head_start[h], K = t.head_start[h + 1] - first;
+#if defined(__AVX512BF16__)
+    if (half) {
+      const uint16_t* p = pairs[h].data();
+      switch (nv) {
+        case 1: return rebuild_bf16<1>(coef, stride, n, K, p, mean + h * D, out);
+        case 2: return rebuild_bf16<2>(coef, stride, n, K, p, mean + h * D, out);
+        case 4: return rebuild_bf16<4>(coef, stride, n, K, p, mean + h * D, out);
+        case 8: return rebuild_bf16<8>(coef, stride, n, K, p, mean + h * D, out);
+        default: break;
+      }
+    }
+#endif
+    if (fast != nullptr) fast(coef, stride, n, K, rows + first * D, mean + h * D, out);
+    else rebuild_any(coef, stride, n, K, rows + first * D, mean + h * D, D, out);
+  }
+};
+
 struct Rope {
   const float* cos = nullptr;  // [P, rot] or, with half_table, [P, rot / 2] (both halves the same rotation)
   const float* sin = nullptr;
@@ -255,12 +348,66 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t rot, in
   }
 }
 
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 x = reinterpret_cast<__m256>(v);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+#else
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// exp(x) for VW lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
+// below 2e-7 on [-ln2/2, ln2/2]), 2^n by the exponent bits; x below -87 gives 0 (as the masks' -3.4e38 must).
+inline vf vexp(vf x) {
+  typedef int32_t vi __attribute__((vector_size(VW * 4)));
+  const vf lo = splat(-87.0f), hi = splat(88.0f);
+  const vi dead = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf n = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);  // round to nearest (1.5 * 2^23)
+  const vf r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
+  vf poly = splat(1.f / 720.f);
+  poly = poly * r + splat(1.f / 120.f);
+  poly = poly * r + splat(1.f / 24.f);
+  poly = poly * r + splat(1.f / 6.f);
+  poly = poly * r + splat(0.5f);
+  poly = poly * r + splat(1.f);
+  poly = poly * r + splat(1.f);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf out = poly * reinterpret_cast<vf>(bits);
+  return dead ? splat(0.f) : out;
+}
+
+// p[j] = exp(p[j] - shift) for j < n, and their sum.
+inline float exp_shifted(float* p, int64_t n, float shift) {
+  int64_t j = 0;
+  vf total{};
+  for (; j + VW <= n; j += VW) {
+    const vf e = vexp(vload(p + j) - splat(shift));
+    vstore(p + j, e);
+    total += e;
+  }
+  float sum = hsum(total);
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - shift);
+    sum += p[j];
+  }
+  return sum;
+}
+
 inline float dot(const float* a, const float* b, int64_t D) {
   int64_t i = 0;
   vf acc{};
   for (; i + VW <= D; i += VW) acc += vload(a + i) * vload(b + i);
-  float s = 0.f;
-  for (int v = 0; v < VW; ++v) s += acc[v];
+  float s = hsum(acc);
   for (; i < D; ++i) s += a[i] * b[i];
   return s;
 }
@@ -280,10 +427,9 @@ void dispatch_latents(const torch::Tensor& latents, Fn&& fn) {
 // Runs `consume(b, h, n0, count, keys)` over every block of tokens and head: keys [count, D] rebuilt (and rotated
 // if rope is on). Blocks are split between threads.
 template <typename T, typename Consume>
-void for_each_block(const T* src, int64_t B, int64_t N, int64_t W, const Table& t, const float* rows,
-                    const float* mean, int64_t D, const Rope& rope, Consume&& consume) {
+void for_each_block(const T* src, int64_t B, int64_t N, int64_t W, const Table& t, const Rebuilder& rebuild,
+                    int64_t D, const Rope& rope, Consume&& consume) {
   const int64_t blocks = (N + BLOCK - 1) / BLOCK, H = t.heads;
-  const RebuildFn fast = rebuild_for(D);
   at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> coef(BLOCK * t.widest), keys(BLOCK * D);
     std::vector<uint8_t> buffer;
@@ -292,22 +438,16 @@ void for_each_block(const T* src, int64_t B, int64_t N, int64_t W, const Table& 
       const T* block = src + (b * N + n0) * W;
       const uint8_t* pad = padded(block, W, count, buffer);
       for (int64_t h = 0; h < H; ++h) {
-        const int32_t first = t.head_start[h], K = t.head_start[h + 1] - first;
         unpack_block(block, W, count, t, h, coef.data(), t.widest, pad);
-        for (int64_t j = 0; j < count; j += TB) {
-          const int64_t n = std::min<int64_t>(TB, count - j);
-          if (fast != nullptr) fast(coef.data() + j * t.widest, t.widest, n, K, rows + first * D, mean + h * D,
-                                    keys.data() + j * D);
-          else rebuild_any(coef.data() + j * t.widest, t.widest, n, K, rows + first * D, mean + h * D, D,
-                           keys.data() + j * D);
-        }
+        for (int64_t j = 0; j < count; j += TB)
+          rebuild(coef.data() + j * t.widest, t.widest, std::min<int64_t>(TB, count - j), h, keys.data() + j * D);
         if (rope.on())
           for (int64_t j = 0; j < count; ++j) {
             const int64_t p = rope.positions[b * N + n0 + j];
             TORCH_CHECK(p >= 0 && p < rope.table_rows, "rope: position ", p, " outside the table");
             rotate(keys.data() + j * D, rope.cos + p * rope.width, rope.sin + p * rope.width, rope.rot, rope.width);
           }
-        consume(b, h, n0, count, keys.data());
+        consume(b, h, n0, count, keys.data(), block, pad);
       }
     }
   });
@@ -348,7 +488,7 @@ torch::Tensor unpack(torch::Tensor latents, torch::Tensor head_start, torch::Ten
 torch::Tensor reconstruct(torch::Tensor latents, torch::Tensor head_start, torch::Tensor byte, torch::Tensor shift,
                           torch::Tensor mask, torch::Tensor step, torch::Tensor offset, torch::Tensor wide,
                           torch::Tensor rows, torch::Tensor mean, torch::Tensor cos, torch::Tensor sin,
-                          torch::Tensor positions, int64_t rot, at::ScalarType out_dtype) {
+                          torch::Tensor positions, int64_t rot, at::ScalarType out_dtype, bool half) {
   check_latents(latents);
   const Table t = make_table(head_start, byte, shift, mask, step, offset, wide);
   check_basis(rows, mean, t);
@@ -358,8 +498,10 @@ torch::Tensor reconstruct(torch::Tensor latents, torch::Tensor head_start, torch
   dispatch_latents(latents, [&](auto* src) {
     auto run = [&](auto* o) {
       using Out = std::remove_pointer_t<decltype(o)>;
-      for_each_block(src, B, N, W, t, rows.data_ptr<float>(), mean.data_ptr<float>(), D, rope,
-                     [&](int64_t b, int64_t h, int64_t n0, int64_t count, const float* keys) {
+      const Rebuilder rebuild(t, rows.data_ptr<float>(), mean.data_ptr<float>(), D, half);
+      for_each_block(src, B, N, W, t, rebuild, D, rope,
+                     [&](int64_t b, int64_t h, int64_t n0, int64_t count, const float* keys, const auto*,
+                         const uint8_t*) {
                        Out* dst = o + ((b * H + h) * N + n0) * D;
                        if constexpr (std::is_same_v<Out, float>) std::memcpy(dst, keys, count * D * sizeof(float));
                        else if constexpr (std::is_same_v<Out, at::BFloat16>) store_bf16(dst, keys, count * D);
@@ -381,7 +523,7 @@ torch::Tensor reconstruct(torch::Tensor latents, torch::Tensor head_start, torch
 torch::Tensor scores(torch::Tensor latents, torch::Tensor head_start, torch::Tensor byte, torch::Tensor shift,
                      torch::Tensor mask, torch::Tensor step, torch::Tensor offset, torch::Tensor wide,
                      torch::Tensor rows, torch::Tensor mean, torch::Tensor cos, torch::Tensor sin,
-                     torch::Tensor positions, int64_t rot, torch::Tensor q) {
+                     torch::Tensor positions, int64_t rot, torch::Tensor q, bool half) {
   check_latents(latents);
   const Table t = make_table(head_start, byte, shift, mask, step, offset, wide);
   check_basis(rows, mean, t);
@@ -394,8 +536,10 @@ torch::Tensor scores(torch::Tensor latents, torch::Tensor head_start, torch::Ten
   float* o = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   dispatch_latents(latents, [&](auto* src) {
-    for_each_block(src, B, N, W, t, rows.data_ptr<float>(), mean.data_ptr<float>(), D, rope,
-                   [&](int64_t b, int64_t h, int64_t n0, int64_t count, const float* keys) {
+    const Rebuilder rebuild(t, rows.data_ptr<float>(), mean.data_ptr<float>(), D, half);
+    for_each_block(src, B, N, W, t, rebuild, D, rope,
+                   [&](int64_t b, int64_t h, int64_t n0, int64_t count, const float* keys, const auto*,
+                       const uint8_t*) {
                      for (int64_t g = 0; g < G; ++g) {
                        const float* qg = qp + ((b * H + h) * G + g) * D;
                        float* dst = o + ((b * H + h) * G + g) * N + n0;
@@ -406,50 +550,137 @@ torch::Tensor scores(torch::Tensor latents, torch::Tensor head_start, torch::Ten
   return out;
 }
 
-// ----- weighted sums: sum_n p[b, h, g, n] c[b, h, n, :] -> [B, H, G, C_h] float32, in table order --------------
-torch::Tensor weighted_sums(torch::Tensor latents, torch::Tensor head_start, torch::Tensor byte, torch::Tensor shift,
-                            torch::Tensor mask, torch::Tensor step, torch::Tensor offset, torch::Tensor wide,
-                            torch::Tensor p) {
+// ----- attend: one decode step's attention over the middle, in one pass over its codes -------------------------
+// Scores of the G queries of each head against every stored token (keys rebuilt and rotated, or in the latent
+// space: q [B, H, G, C_h] in table order plus q_bias [B, H, G]), times `scaling`, plus `bias` [B, N] or per head
+// [B, H, N] (the mask's columns for the middle; empty: none), and the softmax-weighted sum of the tokens' value coefficients, online
+// (flash-decoding: a running max per query, partial states per thread, merged at the end). Returns the running
+// max m [B, H, G], the sum l = sum_n exp(s_n - m) and sums [B, H, G, C_v] = sum_n exp(s_n - m) c_n (value table
+// order): the caller merges them with the exact regions' scores and values.
+std::vector<torch::Tensor> attend(
+    torch::Tensor latents, torch::Tensor head_start, torch::Tensor byte, torch::Tensor shift, torch::Tensor mask,
+    torch::Tensor step, torch::Tensor offset, torch::Tensor wide, torch::Tensor rows, torch::Tensor mean,
+    torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, int64_t rot, torch::Tensor q, torch::Tensor q_bias,
+    torch::Tensor bias, double scaling, torch::Tensor value_latents, torch::Tensor v_head_start, torch::Tensor v_byte,
+    torch::Tensor v_shift, torch::Tensor v_mask, torch::Tensor v_step, torch::Tensor v_offset, torch::Tensor v_wide,
+    bool latent_space, bool half) {
   check_latents(latents);
+  check_latents(value_latents);
+  TORCH_CHECK(value_latents.scalar_type() == latents.scalar_type() && value_latents.size(0) == latents.size(0) &&
+              value_latents.size(1) == latents.size(1), "value latents: the keys' dtype, batch and tokens");
   const Table t = make_table(head_start, byte, shift, mask, step, offset, wide);
-  const int64_t B = latents.size(0), N = latents.size(1), W = latents.size(2), H = t.heads;
-  TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.is_contiguous() && p.dim() == 4 && p.size(0) == B &&
-              p.size(1) == H && p.size(3) == N, "p: float32 contiguous [B, H, G, tokens]");
-  const int64_t G = p.size(2), blocks = (N + BLOCK - 1) / BLOCK, S = t.widest;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  auto partial = torch::zeros({parts, B, H, G, S}, torch::kFloat32);
-  float* part = partial.data_ptr<float>();
-  const float* pp = p.data_ptr<float>();
+  const Table tv = make_table(v_head_start, v_byte, v_shift, v_mask, v_step, v_offset, v_wide);
+  const Rope rope = make_rope(cos, sin, positions, rot);
+  const int64_t B = latents.size(0), N = latents.size(1), W = latents.size(2), WV = value_latents.size(2);
+  const int64_t H = t.heads, D = rows.size(1), G = q.size(2), SV = tv.widest;
+  TORCH_CHECK(tv.heads == H, "value table: the keys' heads");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4 && q.size(0) == B &&
+              q.size(1) == H && q.size(3) == (latent_space ? t.widest : D), "q: float32 contiguous [B, H, G, D]");
+  if (!latent_space) check_basis(rows, mean, t);
+  const float* qb = latent_space ? q_bias.data_ptr<float>() : nullptr;
+  const float* mb = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  TORCH_CHECK(mb == nullptr || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+                                 (bias.numel() == B * N || bias.numel() == B * H * N)),
+              "bias: float32 contiguous [B, N] or [B, H, N]");
+  const int64_t bias_head = mb != nullptr && bias.numel() == B * H * N ? N : 0;  // per head, or shared
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK, threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t states = B * H * G;
+  std::vector<float> m_part(threads * states, -INFINITY), l_part(threads * states, 0.f);
+  std::vector<float> acc_part(threads * states * SV, 0.f);
+  const float* qp = q.data_ptr<float>();
+  const float scale = float(scaling);
   dispatch_latents(latents, [&](auto* src) {
-    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> coef(BLOCK * S);
-      std::vector<uint8_t> buffer;
-      for (int64_t part_i = begin; part_i < end; ++part_i) {
-        float* acc = part + part_i * B * H * G * S;
-        for (int64_t i = B * blocks * part_i / parts; i < B * blocks * (part_i + 1) / parts; ++i) {
-          const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
-          const auto* block = src + (b * N + n0) * W;
-          const uint8_t* pad = padded(block, W, count, buffer);
-          for (int64_t h = 0; h < H; ++h) {
-            const int32_t K = t.head_start[h + 1] - t.head_start[h];
-            unpack_block(block, W, count, t, h, coef.data(), S, pad);
-            for (int64_t g = 0; g < G; ++g) {
-              float* a = acc + ((b * H + h) * G + g) * S;
-              const float* w = pp + ((b * H + h) * G + g) * N + n0;
-              for (int64_t j = 0; j < count; ++j) {
-                const float wj = w[j];
-                const float* c = coef.data() + j * S;
-                int32_t k = 0;
-                for (; k + VW <= K; k += VW) vstore(a + k, vload(a + k) + splat(wj) * vload(c + k));
-                for (; k < K; ++k) a[k] += wj * c[k];
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
+    const T* vsrc = value_latents.data_ptr<T>();
+    const Rebuilder rebuild(t, latent_space ? nullptr : rows.data_ptr<float>(),
+                            latent_space ? nullptr : mean.data_ptr<float>(), D, half && !latent_space);
+    at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
+      const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
+      float* m_state = m_part.data() + tid * states;
+      float* l_state = l_part.data() + tid * states;
+      float* acc_state = acc_part.data() + tid * states * SV;
+      std::vector<float> coef(BLOCK * t.widest), keys(latent_space ? 0 : BLOCK * D), vcoef(BLOCK * SV), p(BLOCK);
+      std::vector<float> sc(BLOCK * G);
+      std::vector<uint8_t> kbuf, vbuf;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
+        const T* kblock = src + (b * N + n0) * W;
+        const T* vblock = vsrc + (b * N + n0) * WV;
+        const uint8_t* kpad = padded(kblock, W, count, kbuf);
+        const uint8_t* vpad = padded(vblock, WV, count, vbuf);
+        for (int64_t h = 0; h < H; ++h) {
+          unpack_block(kblock, W, count, t, h, coef.data(), t.widest, kpad);
+          const float* qh = qp + (b * H + h) * G * (latent_space ? t.widest : D);
+          if (latent_space) {
+            const int64_t K = t.head_start[h + 1] - t.head_start[h];
+            for (int64_t j = 0; j < count; ++j)
+              for (int64_t g = 0; g < G; ++g)
+                sc[j * G + g] = dot(qh + g * t.widest, coef.data() + j * t.widest, K) + qb[(b * H + h) * G + g];
+          } else {
+            for (int64_t j = 0; j < count; j += TB)
+              rebuild(coef.data() + j * t.widest, t.widest, std::min<int64_t>(TB, count - j), h, keys.data() + j * D);
+            for (int64_t j = 0; j < count; ++j) {
+              float* key = keys.data() + j * D;
+              if (rope.on()) {
+                const int64_t pos = rope.positions[b * N + n0 + j];
+                TORCH_CHECK(pos >= 0 && pos < rope.table_rows, "rope: position ", pos, " outside the table");
+                rotate(key, rope.cos + pos * rope.width, rope.sin + pos * rope.width, rope.rot, rope.width);
               }
+              for (int64_t g = 0; g < G; ++g) sc[j * G + g] = dot(qh + g * D, key, D);
             }
+          }
+          unpack_block(vblock, WV, count, tv, h, vcoef.data(), SV, vpad);
+          const int32_t KV = tv.head_start[h + 1] - tv.head_start[h];
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t state = (b * H + h) * G + g;
+            float block_max = -INFINITY;
+            for (int64_t j = 0; j < count; ++j) {
+              const float x = sc[j * G + g] * scale + (mb ? mb[(b * (bias_head ? H : 1) + (bias_head ? h : 0)) * N +
+                                                                 n0 + j] : 0.f);
+              p[j] = x;
+              block_max = std::max(block_max, x);
+            }
+            const float old = m_state[state], now = std::max(old, block_max);
+            const float keep = old == -INFINITY ? 0.f : std::exp(old - now);
+            const float total = exp_shifted(p.data(), count, now);
+            float* acc = acc_state + state * SV;
+            if (keep != 1.f)
+              for (int32_t k = 0; k < KV; ++k) acc[k] *= keep;
+            for (int64_t j = 0; j < count; ++j) {
+              const vf w = splat(p[j]);
+              const float* c = vcoef.data() + j * SV;
+              int32_t k = 0;
+              for (; k + VW <= KV; k += VW) vstore(acc + k, vload(acc + k) + w * vload(c + k));
+              for (; k < KV; ++k) acc[k] += p[j] * c[k];
+            }
+            l_state[state] = l_state[state] * keep + total;
+            m_state[state] = now;
           }
         }
       }
     });
   });
-  return partial.sum(0);
+  auto m_out = torch::full({B, H, G}, -INFINITY, torch::kFloat32);
+  auto l_out = torch::zeros({B, H, G}, torch::kFloat32);
+  auto sums = torch::zeros({B, H, G, SV}, torch::kFloat32);
+  float* mo = m_out.data_ptr<float>();
+  float* lo = l_out.data_ptr<float>();
+  float* so = sums.data_ptr<float>();
+  for (int64_t state = 0; state < states; ++state) {
+    float top = -INFINITY;
+    for (int64_t th = 0; th < threads; ++th) top = std::max(top, m_part[th * states + state]);
+    mo[state] = top;
+    if (top == -INFINITY) continue;
+    for (int64_t th = 0; th < threads; ++th) {
+      const float mt = m_part[th * states + state];
+      if (mt == -INFINITY) continue;
+      const float w = std::exp(mt - top);
+      lo[state] += w * l_part[th * states + state];
+      const float* a = acc_part.data() + (th * states + state) * SV;
+      for (int64_t k = 0; k < SV; ++k) so[state * SV + k] += w * a[k];
+    }
+  }
+  return {m_out, l_out, sums};
 }
 
 // ----- encode: coefficients [B, H, N, R] float32 -> fixed-rate codes [B, N, W] ---------------------------------
@@ -493,6 +724,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack", &unpack, "stored latents -> coefficients [B, H, N, C_h] in table order");
   m.def("reconstruct", &reconstruct, "stored latents -> vectors [B, H, N, D], rotated by position if rope is given");
   m.def("scores", &scores, "queries [B, H, G, D] against every stored token -> [B, H, G, N]");
+  m.def("attend", &attend, "one decode step over the stored middle: running max, sum and value sums");
   m.def("encode", &encode, "coefficients [B, H, N, R] -> fixed-rate codes [B, N, W]");
-  m.def("weighted_sums", &weighted_sums, "sum_n p_n c_n over stored tokens -> [B, H, G, C_h] in table order");
 }

@@ -83,20 +83,24 @@ def unpack(latents: torch.Tensor, table: ComponentTable) -> torch.Tensor:
 
 @_labelled
 def reconstruct(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, dtype: torch.dtype) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, dtype: torch.dtype,
+                half: bool = False) -> torch.Tensor:
     """Stored latents -> vectors `[batch, heads, tokens, head_dim]` in `dtype`, rotated when `rope` = (cos table,
-    sin table, positions `[batch, tokens]`, rotary dims) is given; see `reference.reconstruct`."""
+    sin table, positions `[batch, tokens]`, rotary dims) is given; see `reference.reconstruct`. `half`: the C++
+    kernel may multiply in bfloat16 (accumulating in float32), for models that compute in half precision."""
     ext = _cpu_for(latents)
     cos, sin, positions, rot = _rope_args(rope, latents)
     if ext is None:
         return reference.reconstruct(latents, table, rows, mean, cos if rope else None, sin if rope else None,
                                      positions if rope else None, rot, dtype, _coeffs(latents, table))
-    return ext.reconstruct(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, dtype)
+    return ext.reconstruct(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, dtype,
+                           half)
 
 
 @_labelled
 def scores(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
-           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, q: torch.Tensor) -> torch.Tensor:
+           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, q: torch.Tensor,
+           half: bool = False) -> torch.Tensor:
     """float32 q `[batch, heads, groups, head_dim]` against every stored token (keys rebuilt, rotated when `rope`
     is given) -> float32 `[batch, heads, groups, tokens]`; see `reference.scores`."""
     ext = _cpu_for(latents)
@@ -105,18 +109,29 @@ def scores(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mea
     if ext is None:
         return reference.scores(latents, table, rows, mean, cos if rope else None, sin if rope else None,
                                 positions if rope else None, rot, q, _coeffs(latents, table))
-    return ext.scores(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, q)
+    return ext.scores(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, q, half)
 
 
 @_labelled
-def weighted_sums(latents: torch.Tensor, table: ComponentTable, p: torch.Tensor) -> torch.Tensor:
-    """float32 weights `[batch, heads, groups, tokens]` -> `sum_t p_t c_t`, float32 `[batch, heads, groups, widest]`
-    in table order; see `reference.weighted_sums`."""
+def attend(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
+           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, q: torch.Tensor,
+           q_bias: torch.Tensor | None, bias: torch.Tensor | None, scaling: float, value_latents: torch.Tensor,
+           value_table: ComponentTable, latent_space: bool = False, half: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step over the stored middle in one pass: (max score, sum of exp, value coefficient sums); see
+    `reference.attend`."""
     ext = _cpu_for(latents)
-    p = p.float().contiguous()
+    cos, sin, positions, rot = _rope_args(rope, latents)
+    q = q.float().contiguous()
     if ext is None:
-        return reference.weighted_sums(latents, table, p, _coeffs(latents, table))
-    return ext.weighted_sums(latents.contiguous(), *table.kernel_args(), p)
+        return reference.attend(latents, table, rows, mean, cos if rope else None, sin if rope else None,
+                                positions if rope else None, rot, q, q_bias, bias, scaling, value_latents,
+                                value_table, latent_space)
+    empty = q.new_empty(0)
+    return tuple(ext.attend(
+        latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, q,
+        empty if q_bias is None else q_bias.float().contiguous(), empty if bias is None else bias.float().contiguous(),
+        float(scaling), value_latents.contiguous(), *value_table.kernel_args(), latent_space, half))
 
 
 @_labelled
@@ -130,5 +145,5 @@ def encode(coeffs: torch.Tensor, table: ComponentTable, components: torch.Tensor
     return ext.encode(coeffs, *table.kernel_args(), components.to(torch.int32).contiguous(), width)
 
 
-__all__ = ["ComponentTable", "chunked_latent_scores", "encode", "latent_scores", "reconstruct", "reference", "scores", "unpack",
-           "weighted_sums"]
+__all__ = ["ComponentTable", "attend", "chunked_latent_scores", "encode", "latent_scores", "reconstruct", "reference",
+           "scores", "unpack"]

@@ -163,11 +163,25 @@ def scores(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mea
     return q @ keys.transpose(-1, -2)
 
 
-def weighted_sums(latents: torch.Tensor, table: ComponentTable, p: torch.Tensor,
-                  coeffs: torch.Tensor | None = None) -> torch.Tensor:
-    """`sum_t p[b, h, g, t] c[b, h, t, :]`: weights p float32 `[batch, heads, groups, tokens]` over the stored
-    tokens -> float32 `[batch, heads, groups, widest]`, coefficients in table order."""
-    return p @ (unpack(latents, table) if coeffs is None else coeffs)
+def attend(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
+           cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor | None, rot: int,
+           q: torch.Tensor, q_bias: torch.Tensor | None, bias: torch.Tensor | None, scaling: float,
+           value_latents: torch.Tensor, value_table: ComponentTable, latent_space: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step's attention over the stored middle (`tokens` >= 1): scores of q float32 `[batch, heads,
+    groups, head_dim]` against every token (keys rebuilt and rotated as `scores` does; `latent_space`: q `[batch,
+    heads, groups, widest]` in table order against the coefficients, plus q_bias `[batch, heads, groups]`), times
+    `scaling`, plus `bias` `[batch, tokens]` or per head `[batch, heads, tokens]` (the mask's columns, or None) -> (m, l, sums): the max score m `[batch,
+    heads, groups]`, l = sum_t exp(s_t - m), and sums = sum_t exp(s_t - m) c_t of the value coefficients `[batch,
+    heads, groups, value widest]` in table order. The caller merges them with other regions."""
+    if latent_space:
+        s = q @ unpack(latents, table).transpose(-1, -2) + q_bias.unsqueeze(-1)
+    else:
+        s = scores(latents, table, rows, mean, cos, sin, positions, rot, q)
+    s = s * scaling + (0 if bias is None else bias[:, None, None, :] if bias.dim() == 2 else bias[:, :, None, :])
+    m = s.amax(-1)
+    p = torch.exp(s - m.unsqueeze(-1))
+    return m, p.sum(-1), p @ unpack(value_latents, value_table)
 
 
 def encode(coeffs: torch.Tensor, table: ComponentTable, components: torch.Tensor, width: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ adapter, and these changes:
    (keys rotated by their true positions in pre-RoPE mode), and runs the model's own attention function
    (sdpa or eager, with the family's masks, scaling, softcap and sliding window) on ordinary tensors;
 4. a decode step (one query per sequence, no dropout, softcap or returned weights) reads the middle straight
-   from the stored codes (`decode_attention`): scores region by region (`Mode.middle_scores`), one softmax,
-   values summed in the latent space, `sum_j p_j v_j + U (sum_j p_j c_j) + (sum_j p_j) mean`;
+   from the stored codes in one pass (`decode_attention`, `Mode.middle_attend`: scores, a running softmax, values
+   summed in the latent space), merged with the exact tokens: `sum_j p_j v_j + U (sum_j p_j c_j) + (sum_j p_j)
+   mean`;
 5. if the plan has a selector (top-k) a decode step attends only to each KV head's best-scoring latent tokens;
 6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
 """
@@ -117,35 +118,53 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     mode's `queries` returns it; mask `[batch, 1 or heads, 1, >= n]` as the attention functions take it ->
     `[batch, 1, heads, d]` in q's dtype, as the attention function returns it.
 
-    Scores: sinks and window exact, the middle by the mode (`middle_scores`: keys rebuilt and rotated in
-    registers, or in the latent space); one softmax in float32; values: exact ones weighted as they are, latent
-    ones summed in the latent space (`kernels.weighted_sums`) and decoded once per query head. `chosen`: the
-    middle cut to each KV head's selected tokens by top-k (`select`; the mask is cut alike)."""
+    The exact tokens (sinks, window) are scored and weighted as they are; the middle is read in one pass over its
+    codes by the mode (`Mode.middle_attend`: keys rebuilt and rotated in registers, or scored in the latent space;
+    a running softmax; value coefficients summed in the latent space), and the two are merged (log-sum-exp), the
+    middle's values decoded once per query head: `U (sum_j p_j c_j) + (sum_j p_j) mean`. `chosen`: the middle cut
+    to each KV head's selected tokens by top-k (`select`; the mask is cut alike), attended exactly."""
     batch, heads = q.shape[:2]
     kv_heads = lp.keys.basis.heads
     mode = lp.patch.mode
     qg = q.float().reshape(batch, kv_heads, heads // kv_heads, -1)  # each KV head's query heads together
-    # (scores, values) region by region in position order; values None: the middle, summed in the latent space
-    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    if seen.sink_keys.shape[2]:
-        parts.append((grouped_scores(qg, mode.exact_keys(lp, seen.sink_keys.float(), seen.sink_positions)),
-                      seen.sink_values))
-    if chosen is not None:
-        parts.append((grouped_scores(qg, chosen[0]), chosen[1]))
-    elif seen.middle_len:
-        parts.append((mode.middle_scores(lp, seen, qg), None))
-    if seen.recent_keys.shape[2]:
-        parts.append((grouped_scores(qg, mode.exact_keys(lp, seen.recent_keys.float(), seen.recent_positions)),
-                      seen.recent_values))
-    p = decode_weights(torch.cat([s for s, _ in parts], dim=-1), mask, scaling)
-    out = 0.0
-    for (_, values), weights in zip(parts, p.split([s.shape[-1] for s, _ in parts], dim=-1)):
-        if values is not None:
-            out = out + weights @ values.float()
-            continue
+    ns, nm = seen.sink_keys.shape[2], seen.middle_len
+    # the exact tokens (sinks, top-k's chosen ones, window), as attention reads them
+    keys = [mode.exact_keys(lp, seen.sink_keys.float(), seen.sink_positions),
+            chosen[0] if chosen is not None else None,
+            mode.exact_keys(lp, seen.recent_keys.float(), seen.recent_positions)]
+    values = [seen.sink_values.float(), chosen[1] if chosen is not None else None, seen.recent_values.float()]
+    keys, values = (torch.cat([x for x in xs if x is not None], dim=2) for xs in (keys, values))
+    scores = grouped_scores(qg, keys).float() * scaling  # [batch, kv_heads, groups, exact]
+    middle = chosen is None and nm > 0
+    bias = None
+    if mask is not None:
+        m = _additive(mask[..., : keys.shape[2] + (nm if middle else 0)])  # the mask's columns for these tokens
+        if middle:
+            bias = m[:, :, 0, ns:ns + nm]  # [batch, 1 or heads, middle]
+            if bias.shape[1] == 1:
+                bias = bias[:, 0]
+            else:  # one mask per query head: each KV head's query heads must agree, the kernel reads one per KV head
+                per_kv = bias.view(bias.shape[0], kv_heads, -1, nm)
+                if not bool((per_kv == per_kv[:, :, :1]).all()):
+                    raise PatchKVError("a decode step over the latent middle takes one mask per KV head; this mask "
+                                       "differs between query heads that share a KV head.")
+                bias = per_kv[:, :, 0].contiguous()
+            m = torch.cat([m[..., :ns], m[..., ns + nm:]], dim=-1)
+        scores = scores + (m.view(m.shape[0], kv_heads, -1, m.shape[-1]) if m.shape[1] > 1 else m)
+    top = scores.amax(-1)
+    if middle:  # one pass over the stored middle: its running max, sum of exp and value coefficient sums
+        m_mid, l_mid, sums = mode.middle_attend(lp, seen, qg, bias, scaling)
+        top = torch.maximum(top, m_mid)
+    p = torch.exp(scores - top.unsqueeze(-1))
+    total = p.sum(-1)
+    out = p @ values
+    if middle:
         codec = lp.values
-        sums = kernels.weighted_sums(seen.middle_values, codec.table, weights)  # [batch, kv_heads, groups, widest]
-        out = out + sums @ codec.padded_rows + weights.sum(-1, keepdim=True) * codec.kernel_mean.unsqueeze(1)
+        weight = torch.exp(m_mid - top).nan_to_num(0.0)  # m_mid = -inf: every middle token masked
+        total = total + weight * l_mid
+        out = out + weight.unsqueeze(-1) * (sums @ codec.padded_rows + l_mid.unsqueeze(-1) *
+                                             codec.kernel_mean.unsqueeze(1))
+    out = out / total.unsqueeze(-1)
     return out.reshape(batch, 1, heads, -1).to(q.dtype)
 
 

@@ -11,9 +11,10 @@ floats) through `patchkv.kernels`, never from a decoded copy kept between forwar
 - a forward of several queries (prefill, chunked scoring) gets dense keys and values for the middle,
   rebuilt (and rotated) once per forward by `kernels.reconstruct`, and runs the model's own attention
   function on ordinary tensors (`middle_keys`);
-- a decode step scores the middle straight from the stored codes (`middle_scores`: `kernels.scores` rebuilds
-  and rotates each key in registers; post-RoPE scores in the latent space) and sums values in the latent space
-  (`patchkv.attention.decode_attention`).
+- a decode step reads the middle straight from the stored codes in one pass (`middle_attend`, `kernels.attend`:
+  each key rebuilt and rotated in registers, or post-RoPE scored in the latent space; a running softmax; value
+  coefficients summed in the latent space), merged with the exact tokens by `patchkv.attention.decode_attention`.
+  `middle_scores` gives the same scores apart (`kernels.scores`), for diagnostics.
 
 Dense operands are in the model's dtype, as the unpatched model computes attention; a decode step scores and
 sums in float32 (the kernels accumulate in float32 whatever the stored dtype).
@@ -94,9 +95,14 @@ def rotate_at(lp: LayerPatch, x: torch.Tensor, positions: torch.Tensor) -> torch
     return flat.reshape(b, h, n, d)
 
 
+def _half(codec: Codec) -> bool:
+    """Whether the model computes in half precision: then the kernels may multiply in bfloat16 (float32 sums)."""
+    return codec.basis.basis.dtype in (torch.float16, torch.bfloat16)
+
+
 def rebuild(codec: Codec, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The stored middle `[batch, m, width]` -> vectors `[batch, kv_heads, m, head_dim]` in `dtype`, not rotated."""
-    return kernels.reconstruct(stored, codec.table, codec.rows, codec.kernel_mean, None, dtype)
+    return kernels.reconstruct(stored, codec.table, codec.rows, codec.kernel_mean, None, dtype, _half(codec))
 
 
 class Mode:
@@ -125,6 +131,15 @@ class Mode:
     def middle_scores(self, lp: LayerPatch, seen: Visible, q: torch.Tensor) -> torch.Tensor:
         """The true scores of one query per head, grouped by KV head, float32 `[batch, kv_heads, groups, d]` (as
         `queries` returns it), against the middle -> float32 `[batch, kv_heads, groups, m]`."""
+        raise NotImplementedError
+
+    def middle_attend(self, lp: LayerPatch, seen: Visible, q: torch.Tensor, bias: torch.Tensor | None,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step over the middle in one pass over its codes (`kernels.attend`): q float32 `[batch, kv_heads,
+        groups, d]` (as `queries` returns it, grouped), bias `[batch, m]` or `[batch, kv_heads, m]` (the mask's
+        columns) -> (max score,
+        sum of exp, value coefficient sums), float32 `[batch, kv_heads, groups]` twice and `[batch, kv_heads, groups,
+        widest]`."""
         raise NotImplementedError
 
     def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, coeffs: torch.Tensor,
@@ -163,7 +178,8 @@ class PreRoPE(Mode):
         codec = lp.keys
         if rope is None and seen.middle_len:
             return rotate_at(lp, rebuild(codec, seen.middle_keys, torch.float32), seen.middle_positions).to(dtype)
-        return kernels.reconstruct(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, dtype)
+        return kernels.reconstruct(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, dtype,
+                                   _half(codec))
 
     def middle_scores(self, lp, seen, q):
         rope = self._rope(lp, seen.middle_positions)
@@ -171,6 +187,18 @@ class PreRoPE(Mode):
             return grouped_scores(q, self.middle_keys(lp, seen, torch.float32))
         codec = lp.keys
         return kernels.scores(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, q)
+
+    def middle_attend(self, lp, seen, q, bias, scaling):
+        rope = self._rope(lp, seen.middle_positions)
+        keys, values = lp.keys, lp.values
+        if rope is None:  # a RoPE the kernels do not implement: rebuild and rotate, then attend to the dense keys
+            s = grouped_scores(q, self.middle_keys(lp, seen, torch.float32)) * scaling
+            s = s + (0 if bias is None else bias[:, None, None, :] if bias.dim() == 2 else bias[:, :, None, :])
+            top = s.amax(-1)
+            p = torch.exp(s - top.unsqueeze(-1))
+            return top, p.sum(-1), p @ kernels.unpack(seen.middle_values, values.table)
+        return kernels.attend(seen.middle_keys, keys.table, keys.rows, keys.kernel_mean, rope, q, None, bias, scaling,
+                              seen.middle_values, values.table, half=_half(keys))
 
     def approximate_scores(self, lp, q, coeffs, positions):
         basis, rotate = lp.keys.basis, lp.patch.adapter.rotate
@@ -219,6 +247,14 @@ class PostRoPE(Mode):
         coeffs = kernels.unpack(seen.middle_keys, codec.table)  # [batch, kv_heads, m, widest]
         q_latent = q @ codec.padded_rows.transpose(1, 2)  # [batch, kv_heads, groups, widest]
         return q_latent @ coeffs.transpose(-1, -2) + (q * codec.kernel_mean.unsqueeze(1)).sum(-1, keepdim=True)
+
+    def middle_attend(self, lp, seen, q, bias, scaling):
+        # q . (mean + sum_c coefficient_c row_c) = (q . rows) . c + q . mean: scored in the latent space
+        keys, values = lp.keys, lp.values
+        q_latent = (q @ keys.padded_rows.transpose(1, 2)).contiguous()  # [batch, kv_heads, groups, widest]
+        q_bias = (q * keys.kernel_mean.unsqueeze(1)).sum(-1)
+        return kernels.attend(seen.middle_keys, keys.table, keys.rows, keys.kernel_mean, None, q_latent, q_bias, bias,
+                              scaling, seen.middle_values, values.table, latent_space=True)
 
     def approximate_scores(self, lp, q, coeffs, positions):
         basis = lp.keys.basis
