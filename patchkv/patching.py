@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from os import PathLike
 from typing import Any
 
 from torch import nn
@@ -42,10 +43,11 @@ def is_patched(model: nn.Module) -> bool:
     return any(hasattr(m, "patchkv") for m in model.modules())
 
 
-def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), *, sink_tokens: int | None = None,
+def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequence[Method] = (), *, sink_tokens: int | None = None,
           window: int | None = None, bits: int | None = None, top_k: int | None = None,
           top_k_rank: int | None = None) -> nn.Module:
-    """Patch `model` in place so its KV cache holds `artifact`'s latents; returns `model`.
+    """Patch `model` in place so its KV cache holds `artifact`'s latents; returns `model`. `artifact` may be an
+    `Artifact`, a local path or a Hub repo id (`Artifact.from_pretrained`).
 
     methods: compression methods (`patchkv.methods`), at most one per role; the default codec is `LowRank()`
         (the artifact's ranks). The keyword arguments are shorthands for the common ones:
@@ -56,8 +58,11 @@ def apply(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = (), 
     adapter = adapter_for(model)
     if is_patched(model):
         raise AlreadyPatchedError("The model is already patched; call patchkv.remove(model) before applying again.")
+    if isinstance(artifact, (str, PathLike)):  # a local path or a Hub repo id
+        artifact = Artifact.from_pretrained(artifact)
     if not isinstance(artifact, Artifact):
-        raise TypeError(f"apply(model, artifact): expected a patchkv.Artifact, got {type(artifact).__name__}.")
+        raise TypeError(f"apply(model, artifact): expected a patchkv.Artifact, a path or a Hub repo id, got "
+                        f"{type(artifact).__name__}.")
     artifact.check_compatible(model)
     plan = build_plan([*methods, *from_options(sink_tokens, window, bits, top_k, top_k_rank)])
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"

@@ -30,6 +30,7 @@ from .artifact import KINDS, Artifact, Components
 from .errors import PatchKVError
 from .methods import Quantized, SinksWindow
 from .patching import is_patched, patched
+from .perplexity import token_nll
 
 #: step multipliers tried, for keys and for values
 GRID = (1.0, 1.25, 1.5, 1.75)
@@ -95,16 +96,6 @@ def with_step_scales(artifact: Artifact, keys: float, values: float, *, bits: in
 
 def token_loss(model: nn.Module, input_ids: torch.Tensor, chunk: int) -> float:
     """Mean next-token negative log-likelihood (nats) of `input_ids` `[batch, seq]` fed `chunk` tokens per forward
-    through the model's own cache."""
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    cache, total, count = None, 0.0, 0
-    for start in range(0, ids.shape[1] - 1, chunk):
-        step = ids[:, start:start + chunk]
-        out = model(input_ids=step, cache=cache, use_cache=True)
-        cache = out.cache
-        targets = ids[:, start + 1:start + 1 + step.shape[1]]
-        logprobs = out.logits[:, : targets.shape[1]].float().log_softmax(-1)
-        total -= logprobs.gather(-1, targets.unsqueeze(-1)).sum().item()
-        count += targets.numel()
-    return total / count if count else math.nan
+    through the model's own cache (`patchkv.perplexity.token_nll`)."""
+    scored = token_nll(model, input_ids, chunk)
+    return scored.nll / scored.count if scored.count else math.nan

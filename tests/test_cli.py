@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 
 import patchkv
 import patchkv.evaluate
+import patchkv.steps
 from patchkv import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,15 +209,20 @@ def tiny_artifact():
 
 @pytest.fixture
 def fake_calibration(monkeypatch, tiny_artifact):
-    """`patchkv calibrate` without a model: records that calibration ran and returns a tiny artifact."""
+    """`patchkv calibrate` on a tiny model without calibrating or fitting step scales: records that calibration ran
+    and returns a tiny artifact."""
     calls = []
 
     def calibrate(*a, **k):
         calls.append(1)
         return tiny_artifact
 
-    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (None, None))
+    def bytes_tokenizer(text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (make_model("llama"), bytes_tokenizer))
     monkeypatch.setattr(patchkv, "calibrate", calibrate)
+    monkeypatch.setattr(patchkv.steps, "fit_step_scales", lambda model, artifact, *a, **k: artifact)
     return calls
 
 

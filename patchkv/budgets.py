@@ -1,0 +1,92 @@
+"""Budgets: "8x" (compression against the 16-bit cache, every byte counted) or a number of bits per KV head and
+token, turned into the methods that meet them (`Quantized` codes behind `SinksWindow`).
+
+    budget = parse_budget("8x")
+    methods = budget.methods(artifact, context=4096)   # [SinksWindow(4, 32), Quantized(119, pool="global")]
+
+A ratio is met at a context: the exact sinks and window cost the same at any length, the codes and the int32 true
+position per token grow with it, so `bits_for_ratio` picks the most bits per head (average) whose whole cache at
+`context` tokens holds at most `16-bit bytes / ratio` per token. The global pool (one bit pool over every layer,
+head, key and value, by effect weight) needs an artifact with effect weights; without them the per-head pool is
+used.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .methods import Method, Quantized, SinksWindow
+
+#: the sinks and recent window every budget keeps exact (and counts)
+EXACT = (4, 32)
+#: bytes of the int32 true position a LatentCache keeps per token
+POSITION_BYTES = 4
+#: the budgets calibration fits step scales for when none are asked for
+DEFAULT_BUDGETS = ("4x", "8x", "16x")
+
+
+def sixteen_bit_bytes(artifact) -> int:
+    """Bytes per token of the uncompressed cache in a 16-bit dtype (bf16 / fp16): what ratios are quoted against."""
+    return 2 * artifact.num_layers * artifact.num_kv_heads * artifact.head_dim * 2
+
+
+def default_pool(artifact) -> str:
+    return "global" if artifact.has_effect_weights else "head"
+
+
+def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
+                   window: int = EXACT[1]) -> int:
+    """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` whose
+    whole cache at `context` tokens (exact sinks and window in 16 bits, codes, positions) holds at most the 16-bit
+    cache's bytes / `ratio` per token. Raises ValueError if even 1 bit per head does not fit."""
+    full = sixteen_bit_bytes(artifact)
+    exact = min(sink_tokens + window, context)
+
+    def total(bits: int) -> float:
+        return (exact * full + (context - exact) * artifact.kv_bytes_per_token(bits, pool)) / context + POSITION_BYTES
+
+    if total(1) > full / ratio:
+        raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {sink_tokens} sinks and a "
+                         f"{window}-token window kept exact: they alone take {total(1):.0f} bytes per token of the "
+                         f"{full / ratio:.0f} allowed; use a longer context or a smaller ratio.")
+    low, high = 1, artifact.head_dim * 8
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if total(mid) <= full / ratio else (low, mid - 1)
+    return low
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A compression target: `ratio` against the 16-bit cache, or `bits` per KV head and token; `pool` None picks
+    the global pool when the artifact has effect weights."""
+
+    ratio: float | None = None
+    bits: int | None = None
+    pool: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
+
+    def quantized(self, artifact, context: int) -> Quantized:
+        pool = self.pool or default_pool(artifact)
+        bits = self.bits if self.bits is not None else bits_for_ratio(artifact, self.ratio, pool=pool, context=context)
+        return Quantized(bits, pool=pool)
+
+    def methods(self, artifact, context: int) -> list[Method]:
+        """[SinksWindow(*EXACT), Quantized(bits, pool)] meeting this budget at `context` tokens."""
+        return [SinksWindow(*EXACT), self.quantized(artifact, context)]
+
+
+def parse_budget(text: str) -> Budget:
+    """"8x" or "8" followed by x (a ratio > 1 against the 16-bit cache), or "119" (bits per KV head and token)."""
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?x", text):
+        ratio = float(text[:-1])
+        if ratio <= 1:
+            raise ValueError(f"budget {text!r}: a ratio must be above 1x, e.g. 8x.")
+        return Budget(ratio=ratio)
+    if re.fullmatch(r"\d+", text) and int(text) > 0:
+        return Budget(bits=int(text))
+    raise ValueError(f"budget {text!r}: expected a ratio such as 8x, or bits per KV head and token such as 119.")

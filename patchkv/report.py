@@ -1,0 +1,220 @@
+"""`patchkv report`: what each budget costs on your model and your text, before you deploy it.
+
+For each configuration (unpatched, transformers' `QuantizedCache` quanto int4 where it applies, and each budget of
+the artifact: `SinksWindow(4, 32)` + `Quantized` codes meeting the ratio at the context, with the step scales
+fitted for it):
+
+- KV bytes per token, measured on the cache after the text (everything: codes, exact sinks and window, positions;
+  quanto's scales and residual), and the compression against the 16-bit cache;
+- token perplexity of each text, fed `chunk` tokens per forward through the cache (`patchkv.perplexity`);
+- a needle-in-a-haystack check at the context: a sentence holding a random 7-digit number is put at several depths
+  of the first text, the question at its end, greedy decoding through the cache must write the number;
+- a greedy continuation of the first text from the cache, side by side.
+
+`QuantizedCache` refuses models with sliding-window layers (Mistral and Qwen2 configs with a window, Gemma 3):
+those rows say so, where patchkv runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .artifact import Artifact
+from .budgets import Budget, sixteen_bit_bytes
+from .memory import cache_nbytes
+from .patching import patched
+from .perplexity import token_nll
+
+NEEDLE = "The special magic number is {number}."
+QUESTION = "\n\nWhat is the special magic number mentioned in the text above? The special magic number is"
+
+
+@dataclass
+class Row:
+    """One configuration's results."""
+
+    name: str
+    bytes_per_token: float = math.nan
+    compression: float = math.nan
+    perplexity: dict[str, float] = field(default_factory=dict)
+    needle: tuple[int, int] = (0, 0)  # found, tried
+    continuation: str = ""
+    note: str = ""
+
+
+def default_text() -> tuple[str, str]:
+    """(name, text): the first held-out prose document shipped with the package (never calibrated on)."""
+    line = (Path(__file__).parent / "tasks" / "data" / "prose_4k.jsonl").read_text().splitlines()[0]
+    return "prose (held out)", json.loads(line)["text"]
+
+
+def read_text(path: str) -> tuple[str, str]:
+    """(name, text) from a .txt file, or the first document of a .jsonl file of {"text": ...} lines."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"--text {path}: no such file.")
+    if file.suffix == ".jsonl":
+        return file.stem, json.loads(file.read_text(encoding="utf-8").splitlines()[0])["text"]
+    return file.stem, file.read_text(encoding="utf-8", errors="replace")
+
+
+def _ids(tokenizer: Any, text: str, tokens: int) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return torch.tensor([(start + ids)[:tokens]])
+
+
+@torch.no_grad()
+def _greedy(model: nn.Module, logits: torch.Tensor, cache: Any, new: int) -> list[int]:
+    """Greedy-decode `new` tokens through `cache`, starting from the next-token `logits` `[1, vocab]`."""
+    out = []
+    for _ in range(new):
+        token = logits.argmax(-1, keepdim=True)
+        out.append(int(token))
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+    return out
+
+
+def _haystack(tokenizer: Any, text: str, context: int, depth: float, number: int) -> torch.Tensor:
+    """`[1, <= context]` ids: the text cut so that it, the needle sentence at `depth` and the question fit."""
+    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    needle = tokenizer(" " + NEEDLE.format(number=number) + " ", add_special_tokens=False)["input_ids"]
+    hay = tokenizer(text, add_special_tokens=False)["input_ids"][: context - len(question) - len(needle) - 1]
+    at = int(len(hay) * depth)
+    start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return torch.tensor([start + hay[:at] + needle + hay[at:] + question])
+
+
+def _configs(model: nn.Module, artifact: Artifact, budgets: list[Budget], context: int, quantized_cache: bool):
+    """[(name, patch (artifact, methods) or None, cache factory or None, note)]."""
+    out: list[tuple[str, Any, Any, str]] = [("unpatched", None, None, "")]
+    if quantized_cache:
+        for nbits in (4, 2):
+            note, factory = "", None
+            try:
+                from transformers import QuantizedCache
+
+                QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64, residual_length=128)
+
+                def factory(nbits=nbits):
+                    return QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64,
+                                          residual_length=128)
+            except (ImportError, ValueError, TypeError, NotImplementedError) as e:
+                note = f"not run: {' '.join(str(e).split())[:140]}"
+            out.append((f"QuantizedCache quanto int{nbits}", None, factory, note))
+    for budget in budgets:
+        methods = budget.methods(artifact, context)
+        scaled = artifact.step_scales_for(methods[-1].bits, methods[-1].pool) is not None
+        out.append((f"patchkv {budget}", (artifact, methods),
+                    None, " + ".join(m.spec() for m in methods) + ("" if scaled else " (no step scales for this budget)")))
+    return out
+
+
+def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tuple[str, str]], *, budgets: list[Budget],
+           context: int = 4096, chunk: int = 64, depths: tuple[float, ...] = (0.5,), continuation: int = 24,
+           quantized_cache: bool = True, seed: int = 0, progress: Any = print) -> list[Row]:
+    """Every configuration on every text (see the module doc); `progress(str)` gets a line per finished row."""
+    rng = random.Random(seed)
+    numbers = [rng.randrange(1_000_000, 9_999_999) for _ in depths]
+    encoded = [(name, _ids(tokenizer, text, context)) for name, text in texts]
+    full = sixteen_bit_bytes(artifact)
+    rows = []
+    for name, patch, factory, note in _configs(model, artifact, budgets, context, quantized_cache):
+        row = Row(name, note=note)
+        rows.append(row)
+        if note.startswith("not run"):
+            progress(f"{name}: {note}")
+            continue
+        with patched(model, *patch) if patch else _Nothing():
+            new_cache = factory if factory is not None else (lambda: None)
+            for label, ids in encoded:
+                scored = token_nll(model, ids, chunk, new_cache())
+                row.perplexity[label] = scored.perplexity
+                if label == encoded[0][0]:
+                    row.bytes_per_token = cache_nbytes(scored.cache) / ids.shape[1]
+                    row.compression = full / row.bytes_per_token
+                    row.continuation = tokenizer.decode(_greedy(model, scored.last_logits, scored.cache, continuation))
+            found = 0
+            for depth, number in zip(depths, numbers):
+                scored = token_nll(model, _haystack(tokenizer, texts[0][1], context, depth, number), chunk, new_cache())
+                answer = tokenizer.decode(_greedy(model, scored.last_logits, scored.cache, 10))
+                found += str(number) in answer.replace(" ", "").replace(",", "")
+            row.needle = (found, len(depths))
+        progress(f"{name}: {row.bytes_per_token:.0f} bytes/token, " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row.perplexity.items()) + f", needle {found}/{len(depths)}")
+    return rows
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown: a line per configuration, perplexity changes against unpatched."""
+    texts = list(rows[0].perplexity)
+    base = rows[0].perplexity
+    head = ["configuration", "KV bytes/token", "vs 16-bit", *[f"{t} ppl" for t in texts], "needle", "continuation"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if not r.perplexity:
+            lines.append(f"| {r.name} | — | — | " + " | ".join("—" for _ in texts) + f" | — | {r.note} |")
+            continue
+        cells = [r.name, f"{r.bytes_per_token:.0f}", f"{r.compression:.2f}x"]
+        for t in texts:
+            change = "" if r is rows[0] else f" ({100 * (r.perplexity[t] / base[t] - 1):+.1f}%)"
+            cells.append(f"{r.perplexity[t]:.3f}{change}")
+        cells += [f"{r.needle[0]}/{r.needle[1]}", r.continuation.replace("\n", " ").replace("|", "/")[:80]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(rows: list[Row], out: Path, meta: dict[str, Any]) -> list[Path]:
+    """report.md (the table and how it was made), report.csv, report.png into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "report.md"
+    md.write_text("# patchkv report\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(rows)
+                  + "\n\n" + "\n".join(f"- {r.name}: {r.note}" for r in rows if r.note) + "\n")
+    with open(out / "report.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["configuration", "kv_bytes_per_token", "compression", "text", "perplexity", "needle_found",
+                    "needle_tried", "note"])
+        for r in rows:
+            for t, ppl in (r.perplexity or {"": math.nan}).items():
+                w.writerow([r.name, round(r.bytes_per_token, 1), round(r.compression, 3), t, round(ppl, 4),
+                            r.needle[0], r.needle[1], r.note])
+    files = [md, out / "report.csv"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return files
+    fig, ax = plt.subplots(figsize=(6, 4))
+    base = rows[0].perplexity
+    for t in base:
+        pts = [(r.compression, 100 * (r.perplexity[t] / base[t] - 1), r.name) for r in rows[1:] if t in r.perplexity]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="none", label=t)
+        for x, y, name in pts:
+            ax.annotate(name.replace("QuantizedCache ", "QC "), (x, y), fontsize=6)
+    ax.axhline(0, color="gray", linestyle="--")
+    ax.set_xlabel("KV compression vs 16-bit cache (x)")
+    ax.set_ylabel("perplexity change vs unpatched (%)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "report.png", dpi=110)
+    plt.close(fig)
+    return files + [out / "report.png"]
