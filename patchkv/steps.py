@@ -39,11 +39,13 @@ GRID = (1.0, 1.25, 1.5, 1.75)
 @torch.no_grad()
 def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tensor, *, bits: int, pool: str = "head",
                     sink_tokens: int = 4, window: int = 32, chunk: int | None = None,
-                    grid: tuple[float, ...] = GRID) -> Artifact:
+                    grid: tuple[float, ...] = GRID, passes: int = 3) -> Artifact:
     """A copy of `artifact` with step scales (format version 3) fitted for `Quantized(bits, pool)` behind
     `SinksWindow(sink_tokens, window)` on `input_ids` `[batch, seq]` (unpadded calibration text, held out from
     what you evaluate on), fed `chunk` tokens per forward (default: half the window, at least 1). `model` is
-    the unpatched model the artifact was calibrated for."""
+    the unpatched model the artifact was calibrated for. The search is coordinate-wise over `grid`: the keys'
+    scale, then the values', then the keys' again (`passes` 3; 2 stops after the values, 7 losses instead of
+    10)."""
     if is_patched(model):
         raise PatchKVError("fit_step_scales() needs the original model, but this model is patched by patchkv. "
                            "Call patchkv.remove(model) first.")
@@ -53,6 +55,8 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
                          f"{sink_tokens + window + 1}, got shape {tuple(input_ids.shape)}.")
     if not grid or min(grid) <= 0:
         raise ValueError(f"grid must hold step multipliers > 0, got {grid}.")
+    if passes not in (1, 2, 3):
+        raise ValueError(f"passes must be 1, 2 or 3, got {passes}.")
     chunk = chunk or max(1, window // 2)
     methods = [SinksWindow(sink_tokens, window), Quantized(bits, pool=pool)]
     tried: dict[tuple[float, float], float] = {}
@@ -64,7 +68,7 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
         return tried[scales]
 
     best = (1.0, 1.0)
-    for kind in (0, 1, 0):  # keys, values, keys again
+    for kind in (0, 1, 0)[:passes]:  # keys, values, keys again
         candidates = [tuple(s if i == kind else best[i] for i in range(2)) for s in grid]
         best = min(candidates, key=lambda c: (loss(c), c))
     out = with_step_scales(artifact, *best, bits=bits, pool=pool)

@@ -1,6 +1,7 @@
 """Calibration text: the general-domain mix shipped with the package, text files and folders, `datasets` data.
 
     texts = read_texts(None)                 # the shipped mix (patchkv/data/general_mix.txt.gz)
+    texts = read_texts("corpus")             # the Shakespeare training works (patchkv.corpus)
     texts = read_texts("notes/")             # every .txt file under a folder
     texts = read_texts("wikitext", column="text")   # a `datasets` name or a local dataset folder (offline)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
+from .corpus import shakespeare_train
 from .hub import expand_user
 
 DEFAULT = Path(__file__).with_name("data") / "general_mix.txt.gz"
@@ -29,12 +31,15 @@ def default_texts(piece: int = 65_536) -> list[str]:
 
 
 def read_texts(spec: str | None, column: str = "text", split: str = "train") -> list[str]:
-    """Texts for calibration from `spec`: None -> the shipped mix; a text file (any file that is not a dataset file); a folder of .txt files (recursively);
+    """Texts for calibration from `spec`: None -> the shipped mix; "corpus" -> the Shakespeare training works; a
+    text file (any file that is not a dataset file); a folder of .txt files (recursively);
     a folder saved by `datasets` (`save_to_disk`) or holding dataset files (.parquet, .json, .jsonl, .csv,
     .arrow); otherwise a `datasets` name, loaded offline from the local cache. `column` names the text column of a
     dataset, `split` its split."""
     if spec is None:
         return default_texts()
+    if spec == "corpus":
+        return shakespeare_train()
     path = expand_user(spec, FileNotFoundError)
     if path.is_file():
         if path.suffix in DATASET_FILES:

@@ -177,3 +177,14 @@ def test_fitting_another_budget_adds_a_set_and_keeps_the_first(model, fitted):
     assert refit.step_budgets == [(12, "global"), (32, "head")]
     assert torch.equal(refit.keys.step_scales[0], fitted.keys.step_scales[0])
     assert [(f["bits"], f["pool"]) for f in refit.calibration["step_scale_fits"]] == [(12, "global"), (32, "head")]
+
+
+def test_two_passes_search_the_keys_then_the_values_only(model, weighted):
+    grid = (1.0, 2.0, 3.0)
+    fit = patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40, seed=9), bits=12, pool="global",
+                                  sink_tokens=2, window=4, grid=grid, passes=2).calibration["step_scale_fits"][-1]
+    tried = {(k, v) for k, v, _ in fit["tried"]}
+    keys = min(grid, key=lambda k: next(nll for a, b, nll in fit["tried"] if (a, b) == (k, 1.0)))
+    assert tried == {(k, 1.0) for k in grid} | {(keys, v) for v in grid} and fit["keys"] == keys
+    with pytest.raises(ValueError, match="passes"):
+        patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40), bits=12, passes=4)
