@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from profile_paths import prose_ids
-from suite import CONFIGS, ROOT, bf16_bytes_per_token, load_artifacts, load_smollm2, write_provenance
+from suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
 from transformers import DynamicCache
 
 import patchkv
@@ -41,7 +41,7 @@ UNPATCHED = ("unpatched", "unpatched-eager")
 REFERENCE_CACHE = "quanto-int4"
 
 
-def runners(model, artifacts, names: list[str], ids: torch.Tensor, context: int, step: int, bf16: int) -> dict:
+def runners(model, artifacts, names: list[str], ids: torch.Tensor, context: int, step: int) -> dict:
     """{method: fn} where fn() runs the method's next `step` tokens through its own model copy and cache, prefilled
     with ids[:, :context]."""
     out = {}
@@ -50,7 +50,7 @@ def runners(model, artifacts, names: list[str], ids: torch.Tensor, context: int,
         twin = copy.deepcopy(model)
         if name.endswith("-eager"):
             twin.set_attn_implementation("eager")
-        patch = config.patch(artifacts, context, bf16)
+        patch = config.patch(artifacts, context)
         if patch is not None:
             patchkv.apply(twin, *patch)
         cache = patchkv.LatentCache(twin) if patch else config.cache(twin) if config.cache else DynamicCache()
@@ -173,18 +173,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
-    bf16 = bf16_bytes_per_token(model)
     paths = args.paths.split(",")
     rows = []
     if "forward64" in paths:
         ids = prose_ids(tokenizer, args.context + 64 * (args.rounds + 1))
-        fns = runners(model, artifacts, args.forward_methods.split(","), ids, args.context, 64, bf16)
+        fns = runners(model, artifacts, args.forward_methods.split(","), ids, args.context, 64)
         rows += rows_for("forward64", args.context, 64, rounds(fns, args.rounds))
         del fns
     if "decode" in paths:
         for context in (int(c) for c in args.decode_contexts.split(",")):
             ids = prose_ids(tokenizer, context + args.rounds + 1)
-            fns = runners(model, artifacts, args.decode_methods.split(","), ids, context, 1, bf16)
+            fns = runners(model, artifacts, args.decode_methods.split(","), ids, context, 1)
             rows += rows_for("decode", context, 1, rounds(fns, args.rounds))
             del fns
     if "calibrate" in paths:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from suite import CONFIGS, ROOT, bf16_bytes_per_token, load_artifacts, load_smollm2, write_provenance
+from suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
@@ -99,7 +99,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
-    bf16 = bf16_bytes_per_token(model)
     lines = [f"# Profile of the three paths ({args.config} config, SmolLM2-135M-Instruct, bfloat16)", "",
              "Produced by `python evals/profile_paths.py` (provenance in `profile.md.provenance.json`). Stage times are "
              "the profiler's totals for the library's labels, per run; labels nest as shown.", ""]
@@ -131,7 +130,7 @@ def main() -> None:
             variants.insert(1, ("unpatched (eager)", None, "eager"))
         for title, cfg, attn in variants:
             model.set_attn_implementation(attn)
-            patch = cfg.patch(artifacts, context, bf16) if cfg is not None else None
+            patch = cfg.patch(artifacts, context) if cfg is not None else None
             with patchkv.patched(model, *patch) if patch else contextlib.nullcontext(), torch.no_grad():
                 cache = patchkv.LatentCache(model) if patch else DynamicCache()
                 for start in range(0, context, 1024):

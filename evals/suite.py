@@ -12,12 +12,7 @@ provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads,
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +20,12 @@ from pathlib import Path
 import torch
 
 import patchkv
+from patchkv.budgets import Budget
+from patchkv.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
 BASES = ROOT / "artifacts" / "smollm2-bases"
-#: sinks and recent window every patchkv config keeps exact (and counts)
-EXACT = (4, 32)
-POSITION_BYTES = 4  # the int32 true position a LatentCache keeps per token
 
 
 def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa"):
@@ -42,29 +36,6 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa"):
     return model, AutoTokenizer.from_pretrained(SMOLLM2)
 
 
-def bf16_bytes_per_token(model) -> int:
-    """Bytes per token of the unpatched bf16 cache: K and V, every layer, KV head and head dim, 2 bytes each."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
-
-
-def bits_for(artifact: patchkv.Artifact, target_bytes: float, pool: str, context: int, bf16_bytes: int) -> int:
-    """The most bits per head (average) whose whole cache at `context` tokens (exact sinks and window in bf16, codes,
-    positions) holds at most `target_bytes` per token."""
-    exact = sum(EXACT)
-
-    def total(bits: int) -> float:
-        return (exact * bf16_bytes + (context - exact) * artifact.kv_bytes_per_token(bits, pool)) / context \
-            + POSITION_BYTES
-
-    low, high = 1, artifact.head_dim * 8
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if total(mid) <= target_bytes else (low, mid - 1)
-    return low
-
-
 @dataclass(frozen=True)
 class Config:
     """A named configuration: `unpatched`, a patchkv patch (`mode` artifact, methods built for the context by
@@ -72,7 +43,7 @@ class Config:
 
     name: str
     mode: str | None = None
-    methods: Callable[[patchkv.Artifact, int, int], list] | None = None
+    methods: Callable[[patchkv.Artifact, int], list] | None = None
     cache: Callable[[object], object] | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -81,18 +52,17 @@ class Config:
     def kind(self) -> str:
         return "patchkv" if self.mode else "quantized_cache" if self.cache else "unpatched"
 
-    def patch(self, artifacts: dict[str, patchkv.Artifact], context: int, bf16_bytes: int):
+    def patch(self, artifacts: dict[str, patchkv.Artifact], context: int):
         """(artifact, methods) for `patchkv.patched`, or None."""
         if self.mode is None:
             return None
         artifact = artifacts[self.mode]
-        return artifact, self.methods(artifact, context, bf16_bytes)
+        return artifact, self.methods(artifact, context)
 
 
 def _coded(ratio: float, pool: str = "global", extra: tuple = ()):
-    def methods(artifact, context, bf16_bytes):
-        bits = bits_for(artifact, bf16_bytes / ratio, pool, context, bf16_bytes)
-        return [patchkv.SinksWindow(*EXACT), patchkv.Quantized(bits, pool=pool), *extra]
+    def methods(artifact, context):
+        return [*Budget(ratio=ratio, pool=pool).methods(artifact, context), *extra]
     return methods
 
 
@@ -118,28 +88,6 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
 def load_artifacts(dtype: torch.dtype = torch.bfloat16, bases: Path = BASES) -> dict[str, patchkv.Artifact]:
     return {mode: patchkv.Artifact.load(bases / f"{mode}.safetensors").to_dtype(dtype)
             for mode in ("pre_rope", "post_rope")}
-
-
-def provenance() -> dict:
-    """Commit (with `+dirty` if the tree has changes), command, machine, threads, versions, date."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import transformers
-
-    return {"commit": git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty and dirty != "unknown" else ""),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{cpu}, {os.cpu_count()} cores",
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_provenance(path: Path, extra: dict | None = None) -> Path:

@@ -1,0 +1,47 @@
+"""`evals/bench_throughput.py` on SmolLM2 at tiny contexts: every path and method ran in every round, the CSV has
+its columns and rows, ratios are taken against the unpatched model and QuantizedCache of the same rounds, the
+table reads the CSV, the provenance names the commit. No timing asserts."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("optimum.quanto")
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ["path", "method", "context", "tokens", "seconds", "ratio_to_unpatched", "ratio_to_quantizedcache"]
+
+
+def test_bench_throughput_smoke(tmp_path):
+    assert (ROOT / ".models" / "SmolLM2-135M-Instruct").is_dir(), "run `bash scripts/setup.sh` first"
+    run = [sys.executable, str(ROOT / "evals" / "bench_throughput.py"), "--context", "512", "--decode-contexts", "576",
+           "--forward-methods", "unpatched,quanto-int4,8x", "--decode-methods", "unpatched,unpatched-eager,8x",
+           "--calib-tokens", "512", "--rounds", "2", "--out", str(tmp_path), "--name", "tp"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=900, cwd=ROOT / "evals")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    with open(tmp_path / "tp.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == FIELDS
+    assert [(r["path"], r["method"], int(r["context"])) for r in rows] == [
+        ("forward64", m, 512) for m in ("unpatched", "quanto-int4", "8x")] + [
+        ("decode", m, 576) for m in ("unpatched", "unpatched-eager", "8x")] + [
+        ("calibrate", m, 512) for m in ("forward", "calibrate", "calibrate+fisher")]
+    for r in rows:
+        assert float(r["seconds"]) > 0 and float(r["ratio_to_unpatched"]) > 0
+    forward = {r["method"]: r for r in rows if r["path"] == "forward64"}
+    assert float(forward["quanto-int4"]["ratio_to_quantizedcache"]) == 1.0
+    assert float(forward["unpatched"]["ratio_to_unpatched"]) == 1.0  # the only unpatched attention in that group
+    decode = {r["method"]: r for r in rows if r["path"] == "decode"}
+    # against the faster unpatched attention of each round: neither unpatched one can be below it
+    assert all(float(decode[m]["ratio_to_unpatched"]) >= 1.0 for m in ("unpatched", "unpatched-eager"))
+    assert all(r["ratio_to_quantizedcache"] == "" for r in decode.values())  # no QuantizedCache in that group
+    assert (tmp_path / "tp.png").stat().st_size > 0
+    assert json.loads((tmp_path / "tp.csv.provenance.json").read_text())["commit"]
+    table = subprocess.run([sys.executable, str(ROOT / "evals" / "bench_throughput.py"), "--table", "--out",
+                            str(tmp_path), "--name", "tp"], capture_output=True, text=True, cwd=ROOT / "evals")
+    assert table.stdout.count("\n| ") == len(rows)
