@@ -52,8 +52,16 @@ def _labelled(fn):
     return wrapper
 
 
-def _cpu_for(x: torch.Tensor):
-    return cpu.extension() if x.device.type == "cpu" else None
+#: what the C++ kernels read and write; other dtypes (float64) take the PyTorch references
+CPU_DTYPES = (torch.uint8, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_for(x: torch.Tensor, *others: torch.Tensor | torch.dtype):
+    """The C++ extension when `x` is on the CPU and it and `others` (tensors or dtypes) are of dtypes it handles."""
+    dtypes = [x.dtype, *(o if isinstance(o, torch.dtype) else o.dtype for o in others)]
+    if x.device.type != "cpu" or any(d not in CPU_DTYPES for d in dtypes):
+        return None
+    return cpu.extension()
 
 
 def _coeffs(latents: torch.Tensor, table: ComponentTable) -> torch.Tensor | None:
@@ -88,7 +96,7 @@ def reconstruct(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor
     """Stored latents -> vectors `[batch, heads, tokens, head_dim]` in `dtype`, rotated when `rope` = (cos table,
     sin table, positions `[batch, tokens]`, rotary dims) is given; see `reference.reconstruct`. `half`: the C++
     kernel may multiply in bfloat16 (accumulating in float32), for models that compute in half precision."""
-    ext = _cpu_for(latents)
+    ext = _cpu_for(latents, rows, mean, dtype)
     cos, sin, positions, rot = _rope_args(rope, latents)
     if ext is None:
         return reference.reconstruct(latents, table, rows, mean, cos if rope else None, sin if rope else None,
@@ -103,7 +111,7 @@ def scores(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mea
            half: bool = False) -> torch.Tensor:
     """float32 q `[batch, heads, groups, head_dim]` against every stored token (keys rebuilt, rotated when `rope`
     is given) -> float32 `[batch, heads, groups, tokens]`; see `reference.scores`."""
-    ext = _cpu_for(latents)
+    ext = _cpu_for(latents, rows, mean)
     cos, sin, positions, rot = _rope_args(rope, latents)
     q = q.float().contiguous()
     if ext is None:
@@ -120,7 +128,7 @@ def attend(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mea
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step over the stored middle in one pass: (max score, sum of exp, value coefficient sums); see
     `reference.attend`."""
-    ext = _cpu_for(latents)
+    ext = _cpu_for(latents, rows, mean, value_latents)
     cos, sin, positions, rot = _rope_args(rope, latents)
     q = q.float().contiguous()
     if ext is None:

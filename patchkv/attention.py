@@ -51,7 +51,9 @@ def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
                              position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
                              cache: Cache | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or None)."""
-    lp: LayerPatch = attn.patchkv.on(hidden_states.device)
+    lp: LayerPatch = attn.patchkv
+    lp.patch.compute_in(lp.patch.adapter.dtype(attn))  # the model may have moved to another dtype since apply
+    lp = lp.on(hidden_states.device)
     adapter, mode = lp.patch.adapter, lp.patch.mode
     q, k, v = adapter.project_qkv(attn, hidden_states)
     batch, _, seq, _ = q.shape

@@ -120,6 +120,10 @@ class LatentLayer(CacheLayerMixin):
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`, exact (the
         first tokens seen fill the sinks, the others join the recent region until `after_attention`)."""
+        if self.is_initialized and self.tensors["recent_keys"].dtype != keys.dtype:
+            raise PatchKVError(f"this cache holds {self.tensors['recent_keys'].dtype} tensors and the model now "
+                               f"computes in {keys.dtype} (its dtype changed after the cache was written); start a "
+                               "new cache (generate() makes one), or change the dtype before writing it.")
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
             self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS if not name.startswith("latent")}

@@ -32,6 +32,19 @@ class Patch:
     decoder_hook_id: int | None = None
     #: instance attributes `apply` replaced (None where there was none), put back by `remove`
     restore: dict[str, Any] = field(default_factory=dict)
+    #: the dtype the codecs compute in (the model's), and each layer's query heads per KV head
+    dtype: torch.dtype | None = None
+    query_groups: list[int] = field(default_factory=list)
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Follow the model into `dtype` (`model.to(torch.bfloat16)` after `apply`): every layer's codecs are rebuilt
+        from the artifact for it, once. A cache written before keeps its old dtype and is refused by its layers."""
+        if dtype == self.dtype:
+            return
+        codecs = self.plan.codec.codecs(self.artifact, self.query_groups, dtype)
+        for lp, (keys, values) in zip(self.layers, codecs):
+            lp.keys, lp.values, lp.device = keys, values, None
+        self.dtype = dtype
 
 
 @dataclass

@@ -71,14 +71,15 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
                            f"attn_implementation={implementation!r}; load the model with attn_implementation='sdpa' "
                            "or 'eager'.")
     modules = attention_modules(model, adapter)
-    codecs = plan.codec.codecs(artifact, [adapter.query_groups(m) for m in modules], adapter.dtype(modules[0]))
+    groups, dtype = [adapter.query_groups(m) for m in modules], adapter.dtype(modules[0])
+    codecs = plan.codec.codecs(artifact, groups, dtype)
     rotary = adapter.rotary_embedding(model)
     tables: dict[Any, RopeTable] = {}
     for attn in modules:
         tables.setdefault(adapter.rope_key(attn), RopeTable(adapter, rotary, attn))
     digest = hashlib.sha256(f"{artifact.metadata()['checksum']}|{artifact.mode}|{plan.describe()}".encode()).hexdigest()
     patch = Patch(adapter, MODES[artifact.mode], plan, artifact, f"sha256:{digest}",
-                  [adapter.sliding_window(m) for m in modules])
+                  [adapter.sliding_window(m) for m in modules], dtype=dtype, query_groups=groups)
     layer_patches = [LayerPatch(patch, attn.layer_idx, keys, values, tables[adapter.rope_key(attn)])
                      for attn, (keys, values) in zip(modules, codecs)]
     patch.layers = layer_patches

@@ -1,5 +1,6 @@
 """apply / remove promises: atomic install, exact restore, pickling, typed options, dispatched models."""
 
+import copy
 import io
 import types
 
@@ -179,3 +180,30 @@ def test_remove_refuses_a_replaced_cache_preparer(model_and_artifact):
     model._prepare_cache_for_generation = ours
     patchkv.remove(model)
     assert not patchkv.is_patched(model) and "_prepare_cache_for_generation" not in vars(model)
+
+
+@pytest.mark.parametrize("method", [patchkv.LowRank(), patchkv.Quantized(24)])
+def test_the_patch_follows_the_model_into_another_dtype(model_and_artifact, method):
+    """`model.to(dtype)` after `apply` gives what applying after the change gives (bytes and tokens), a cache written
+    before the change is refused in one clear error, and float64 runs too."""
+    model, art = model_and_artifact
+    methods = [patchkv.SinksWindow(2, 4), method]
+    ids = calibration_ids(1, 24, seed=3)
+    first = copy.deepcopy(model).to(torch.bfloat16)
+    with patchkv.patched(first, art, methods):
+        want = first.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    moved = copy.deepcopy(model)
+    with patchkv.patched(moved, art, methods):
+        stale = moved(ids, use_cache=True).cache  # written in float32
+        moved.to(torch.bfloat16)
+        got = moved.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, want.sequences)
+        assert got.past_key_values.nbytes() == want.past_key_values.nbytes()
+        with pytest.raises(patchkv.PatchKVError, match="start a new cache"):
+            moved(ids[:, :4], cache=stale, use_cache=True)
+        moved.to(torch.float64)
+        assert moved(ids, use_cache=True).logits.dtype == torch.float64
+    full = make_model("llama").to(torch.float64)
+    with patchkv.patched(full, art, [patchkv.SinksWindow(2, 4), patchkv.LowRank(rank=art.head_dim)]):
+        patched = fed_in_chunks(full, ids, 5)
+    assert torch.allclose(patched, fed_in_chunks(make_model("llama").to(torch.float64), ids, 5), atol=1e-5)
