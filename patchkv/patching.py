@@ -34,7 +34,7 @@ from .context import LayerPatch, Patch
 from .errors import AlreadyPatchedError, PatchKVError
 from .methods import Method, build_plan, from_options
 from .modes import MODES
-from .rope import RopeTable
+from .rope import RopeTable, length_dependent
 
 logger = logging.get_logger(__name__)
 
@@ -74,6 +74,11 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
     groups, dtype = [adapter.query_groups(m) for m in modules], adapter.dtype(modules[0])
     codecs = plan.codec.codecs(artifact, groups, dtype)
     rotary = adapter.rotary_embedding(model)
+    if artifact.mode == "pre_rope" and (kind := length_dependent(rotary)):
+        raise PatchKVError(f"pre-RoPE mode cannot rotate cached keys exactly under rope_type={kind!r}: its frequencies "
+                           "change with the sequence length, and the model keeps each key rotated as it was when "
+                           "written. Calibrate a post-RoPE artifact for this model (patchkv calibrate --mode "
+                           "post_rope), which is exact under it.")
     tables: dict[Any, RopeTable] = {}
     for attn in modules:
         tables.setdefault(adapter.rope_key(attn), RopeTable(adapter, rotary, attn))

@@ -8,6 +8,18 @@ from torch import nn
 from .adapters import AttentionAdapter
 
 
+def length_dependent(rotary: nn.Module) -> str | None:
+    """The model's RoPE type if its frequencies change with the sequence length ("dynamic" NTK scaling: rescaled
+    past `max_position_embeddings`; "longrope": long factors past `original_max_position_embeddings`), else None.
+    Under these the unpatched model keeps each key rotated by the frequencies in force when it was written, which
+    one table of cos/sin per position cannot reproduce: pre-RoPE mode refuses them (`patchkv.apply`)."""
+    kinds = getattr(rotary, "rope_type", "default")
+    for kind in kinds.values() if isinstance(kinds, dict) else [kinds]:
+        if "dynamic" in str(kind) or kind == "longrope":
+            return str(kind)
+    return None
+
+
 class RopeTable:
     """cos/sin `[n, rotary_dim]` for positions `0 .. n-1` of one rotary table, computed in float32 by the model's
     rotary module through the adapter (the families compute them in float32 and cast to the activations' dtype,
@@ -15,8 +27,6 @@ class RopeTable:
 
     def __init__(self, adapter: AttentionAdapter, rotary: nn.Module, attn: nn.Module):
         self.adapter, self.rotary, self.attn = adapter, rotary, attn
-        # a "dynamic" RoPE rescales with the longest position seen, so it must never see more than asked
-        self.exact = "dynamic" in str(getattr(rotary, "rope_type", ""))
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
         self._turn: torch.Tensor | bool | None = None  # built on demand; False: the halves differ
@@ -26,7 +36,7 @@ class RopeTable:
         """Make the table cover positions `0 .. need - 1` on `device`."""
         cached = self.cos
         if cached is None or cached.shape[0] < need or cached.device != device:
-            size = need if self.exact or cached is None else max(need, 2 * cached.shape[0])
+            size = need if cached is None else max(need, 2 * cached.shape[0])
             grid = torch.arange(size, device=device).unsqueeze(0)
             like = torch.empty(0, device=device, dtype=torch.float32)
             cos, sin = self.adapter.cos_sin(self.rotary, self.attn, like, grid)
