@@ -90,7 +90,9 @@ class LatentLayer(CacheLayerMixin):
         # CacheLayerMixin.__init__ would assign .keys/.values, which are read-only views here
         self.is_initialized = False
         self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
-        self.sink_tokens, self.window = (0, 0) if sliding_window is not None else (sink_tokens, window)
+        # a sliding layer keeps its sinks exact while they are in its window, and at most `sliding_window - 1` recent
+        self.sink_tokens = sink_tokens
+        self.window = window if sliding_window is None else min(window, sliding_window - 1)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.track = track if track is not None else PositionTrack()
@@ -131,7 +133,8 @@ class LatentLayer(CacheLayerMixin):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
         t = self.tensors
-        room = max(0, self.sink_tokens - t["sink_keys"].shape[2])
+        room = max(0, self.sink_tokens - self.cumulative_length)  # the sequence's first tokens (a sliding layer drops
+        # its sinks once they leave its window, and they are not refilled)
         for kind, x in (("keys", keys), ("values", values)):
             t[f"sink_{kind}"] = torch.cat([t[f"sink_{kind}"], x[:, :, :room]], dim=2)
             t[f"recent_{kind}"] = torch.cat([t[f"recent_{kind}"], x[:, :, room:]], dim=2)
@@ -172,11 +175,18 @@ class LatentLayer(CacheLayerMixin):
         self.tensors[name] = buffer[:, :, :total]
 
     def _keep_last(self, n: int) -> None:
-        """A sliding layer keeps its last n latent tokens (copied out, so the dropped ones are freed)."""
-        for name in ("latent_keys", "latent_values"):
-            held = self.tensors[name]
-            if held.shape[2] > n:
-                self.tensors[name] = held[:, :, held.shape[2] - n:].clone()
+        """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, so the
+        dropped ones are freed; the window is never longer than n)."""
+        for region, drop in zip(("sink", "latent"), self._oldest(self.kept - n)):
+            if drop:
+                for kind in ("keys", "values"):
+                    self.tensors[f"{region}_{kind}"] = self.tensors[f"{region}_{kind}"][:, :, drop:].clone()
+
+    def _oldest(self, excess: int) -> tuple[int, int]:
+        """(sinks, middle tokens) to drop so that `excess` of the oldest tokens go."""
+        excess = max(0, excess)
+        sinks = min(excess, self.tensors["sink_keys"].shape[2])
+        return sinks, excess - sinks
 
     # ----- reading ----------------------------------------------------------------------------------
     @property
@@ -188,18 +198,17 @@ class LatentLayer(CacheLayerMixin):
         """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and recent region
         (the window before this forward and its own tokens) with their true positions; for a sliding layer, the
         last `window - 1 + query_len` tokens."""
-        t = self.tensors
+        t = dict(self.tensors)
         kept = self.kept
-        latent = {name: t[name] for name in ("latent_keys", "latent_values")}
-        if self.is_sliding:
+        if self.is_sliding:  # the oldest beyond the window go (the recent region holds this forward's tokens)
             kept = min(kept, self.sliding_window - 1 + query_len)
-            middle = kept - t["recent_keys"].shape[2]  # the recent region holds this forward's tokens, all visible
-            latent = {name: x[:, :, x.shape[2] - middle:] for name, x in latent.items()}
+            for region, drop in zip(("sink", "latent"), self._oldest(self.kept - kept)):
+                for kind in ("keys", "values"):
+                    t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
         ns, nr = t["sink_keys"].shape[2], t["recent_keys"].shape[2]
         sink_pos, middle_pos, recent_pos = self._positions(kept).split([ns, kept - ns - nr, nr], dim=1)
         return Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
-                       latent["latent_keys"].squeeze(1), latent["latent_values"].squeeze(1), sink_pos, middle_pos,
-                       recent_pos)
+                       t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, recent_pos)
 
     def _positions(self, kept: int) -> torch.Tensor:
         """True positions `[batch, kept]` of the last `kept` tokens seen."""

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import calibration_ids, make_model
+from conftest import calibration_ids, fed_in_chunks, make_model
 from transformers import DynamicCache, QuantizedCache
 
 import patchkv
@@ -266,3 +266,30 @@ def test_decode_steps_write_one_token_into_a_paged_middle(setups):
         keys, values = layer.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16),
                                     {"positions": torch.tensor([[30]])})
         assert keys.shape == values.shape == (1, 2, 2 + 28 + 1, 16)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_layers_keep_sinks_and_window_exact_while_in_their_window(family):
+    """A sliding layer reads its sinks (while inside its sliding window) and its recent window exact: at a low rank
+    the patched model equals the unpatched one while the context fits in sinks + window, its cache holds more exact
+    bytes with `SinksWindow` than without, and far past the sliding window it holds the same number of tokens as
+    transformers' sliding layers and matches a full-rank patch's exactness."""
+    model = make_model(family)
+    art = patchkv.calibrate(model, calibration_ids(), rank=2, progress=False)
+    ids = calibration_ids(1, 40, seed=11)
+    plain = fed_in_chunks(model, ids, 1)
+    window = [patchkv.SinksWindow(2, 5), patchkv.LowRank(rank=2)]
+    with patchkv.patched(model, art, window):
+        windowed = fed_in_chunks(model, ids, 1)
+        cache = model(ids, use_cache=True).cache
+        sliding = [layer for layer in cache.layers if layer.is_sliding]
+        assert sliding and all(layer.kept == model.config.sliding_window - 1 for layer in sliding)
+        assert all(layer.sink_len == 0 for layer in sliding)  # the sinks left with the sliding window
+        with_exact = cache.nbytes()
+    assert torch.allclose(windowed[:, :7], plain[:, :7], atol=1e-5)  # 2 sinks + 5 window: every token exact
+    with patchkv.patched(model, art, [patchkv.LowRank(rank=2)]):
+        lossy = fed_in_chunks(model, ids, 1)
+        assert model(ids, use_cache=True).cache.nbytes() < with_exact
+    assert not torch.allclose(lossy[:, 1:7], plain[:, 1:7], atol=1e-3)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 5), patchkv.LowRank(rank=art.head_dim)]):
+        assert torch.allclose(fed_in_chunks(model, ids, 3), fed_in_chunks(make_model(family), ids, 3), atol=1e-4)
