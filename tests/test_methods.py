@@ -66,8 +66,9 @@ def test_sinks_and_window_cut_the_error_of_a_low_rank_cache(mode):
     assert max_error(model, low, x, reference, window=40) < 1e-4  # everything in the window: exact
 
 
-def test_sliding_layers_keep_plain_latents_under_sinks_and_window(mode):
-    """Sinks and window apply to full-attention layers; a sliding layer stores its window as latents."""
+def test_sliding_layers_keep_their_window_exact_and_drop_sinks_that_left_it(mode):
+    """Sinks and window apply to every layer; a sliding layer holds its last sliding_window - 1 tokens, the recent
+    window exact, the sinks gone once they left the sliding window."""
     model, full, _ = full_and_low("gemma3", mode)
     x = calibration_ids(2, 30, seed=3)
     assert max_error(model, full, x, model(x).logits, sink_tokens=2, window=4) < 1e-4
@@ -75,7 +76,7 @@ def test_sliding_layers_keep_plain_latents_under_sinks_and_window(mode):
         cache = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0,
                                return_dict_in_generate=True).past_key_values
     sliding, global_ = cache.layers
-    assert sliding.is_sliding and (sliding.sink_len, sliding.window_len, sliding.middle_len) == (0, 0, 9)
+    assert sliding.is_sliding and (sliding.sink_len, sliding.window_len, sliding.middle_len) == (0, 4, 5)
     assert (global_.sink_len, global_.window_len, global_.middle_len) == (2, 4, 32 - 6)
 
 
