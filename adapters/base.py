@@ -9,13 +9,13 @@ table). A family that differs overrides only the methods where it differs: fused
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..compat import attention_function, execution_device, rotary_modules
 from ..kernels.reference import rotate_half
 
 
@@ -81,7 +81,7 @@ class AttentionAdapter:
     # ----- rotary embedding ----------------------------------------------------------------------
     def rotary_embedding(self, model: nn.Module) -> nn.Module:
         """The model's rotary embedding module (one per model in every supported family)."""
-        found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+        found = rotary_modules(model)
         if len(found) != 1:
             raise ValueError(f"Expected one rotary embedding module in the {self.name} model, found {len(found)}.")
         return found[0]
@@ -122,10 +122,7 @@ class AttentionAdapter:
     def attention_function(self, attn: nn.Module) -> Callable:
         """The attention function the model is configured with, defaulting to the family's own eager one
         (which carries family details such as Gemma's logit softcap)."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward")
-        return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+        return attention_function(attn)
 
     # ----- placement -----------------------------------------------------------------------------
     def execution_device(self, model: nn.Module, attn: nn.Module) -> torch.device:
@@ -136,7 +133,7 @@ class AttentionAdapter:
         parts = path.split(".") if path else []
         for depth in range(len(parts), -1, -1):
             module = model.get_submodule(".".join(parts[:depth]))
-            device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+            device = execution_device(module)
             if device is not None:
-                return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+                return device
         return self.key_weight(attn).device

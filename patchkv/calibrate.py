@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from .adapters import adapter_for, attention_modules
 from .artifact import MODES, Artifact, Components, model_identity
+from .compat import accelerate_hook, execution_device
 from .distributed import World, all_gather, all_reduce_sum, world
 from .errors import PatchKVError
 from .fisher import FisherCapture, effect_weights
@@ -93,7 +94,7 @@ def calibrate(
     def collect(attn: nn.Module, args: tuple, kwargs: dict) -> None:
         # accelerate (device_map with offload) moves inputs and loads weights of a hooked module inside its
         # forward, which runs after this pre-hook: do the same here (the projections' own hooks do the rest)
-        hook = getattr(attn, "_hf_hook", None)
+        hook = accelerate_hook(attn)
         if hook is not None:
             args, kwargs = hook.pre_forward(attn, *args, **kwargs)
         try:
@@ -275,10 +276,9 @@ def _counted_tokens(attention_mask: torch.Tensor, sink_tokens: int, budget: int)
 def _input_device(model: nn.Module) -> torch.device:
     """Where input ids go: the embedding's device, or its accelerate execution device when it is offloaded."""
     embeddings = model.get_input_embeddings()
-    hook = getattr(embeddings, "_hf_hook", None)
-    execution = getattr(hook, "execution_device", None)
+    execution = execution_device(embeddings)
     if execution is not None:
-        return torch.device("cuda", execution) if isinstance(execution, int) else torch.device(execution)
+        return execution
     weight = next(embeddings.parameters(), None)
     if weight is not None and weight.device.type != "meta":
         return weight.device

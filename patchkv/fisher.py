@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import AttentionAdapter
+from .compat import accelerate_hook
 
 
 class FisherForward:
@@ -42,7 +43,7 @@ class FisherForward:
                  attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         if self.capture.row is None:
             return self.original(hidden_states, position_embeddings, attention_mask, **kwargs)
-        hook = getattr(self.attn, "_hf_hook", None)  # accelerate: load offloaded weights around the forward
+        hook = accelerate_hook(self.attn)  # accelerate: load offloaded weights around the forward
         if hook is not None:
             (hidden_states, position_embeddings), _ = hook.pre_forward(self.attn, hidden_states, position_embeddings)
         out = self.capture.attend(self.attn, hidden_states, position_embeddings)

@@ -30,6 +30,8 @@ from .adapters import adapter_for, attention_modules
 from .artifact import Artifact
 from .attention import LatentForward
 from .cache import LatentCache
+from .compat import (accelerate_hook, attn_implementation, installed_cache_preparer, is_user_defined, prepare_cache,
+                     remove_pre_hook, set_cache_preparer)
 from .context import LayerPatch, Patch
 from .errors import AlreadyPatchedError, PatchKVError
 from .methods import Method, build_plan, from_options
@@ -65,7 +67,7 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
                         f"{type(artifact).__name__}.")
     artifact.check_compatible(model)
     plan = build_plan([*methods, *from_options(sink_tokens, window, bits, top_k, top_k_rank)])
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    implementation = attn_implementation(model.config)
     if implementation not in ("eager", "sdpa"):
         raise PatchKVError(f"patchkv is built and tested with the 'sdpa' and 'eager' attention implementations, not "
                            f"attn_implementation={implementation!r}; load the model with attn_implementation='sdpa' "
@@ -98,8 +100,8 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
 
 def _install(model: nn.Module, patch: Patch, modules: list[nn.Module], layer_patches: list[LayerPatch]) -> None:
     model.patchkv = patch
-    patch.restore["prepare"] = vars(model).get("_prepare_cache_for_generation")
-    model._prepare_cache_for_generation = LatentCachePreparer(model)
+    patch.restore["prepare"] = installed_cache_preparer(model)
+    set_cache_preparer(model, LatentCachePreparer(model))
     decoder = patch.adapter.decoder(model)
     patch.decoder_hook_id = decoder.register_forward_pre_hook(CacheGuard(model), with_kwargs=True).id
     for attn, lp in zip(modules, layer_patches):
@@ -121,14 +123,13 @@ def _uninstall(model: nn.Module, patch: Patch, modules: list[nn.Module]) -> None
         vars(attn).pop("patchkv", None)
     if patch.decoder_hook_id is not None:
         decoder = patch.adapter.decoder(model)
-        decoder._forward_pre_hooks.pop(patch.decoder_hook_id, None)
-        decoder._forward_pre_hooks_with_kwargs.pop(patch.decoder_hook_id, None)
+        remove_pre_hook(decoder, patch.decoder_hook_id)
         patch.decoder_hook_id = None
-    if isinstance(vars(model).get("_prepare_cache_for_generation"), LatentCachePreparer):
-        del model._prepare_cache_for_generation
+    if isinstance(installed_cache_preparer(model), LatentCachePreparer):
+        set_cache_preparer(model, None)
     previous = patch.restore.pop("prepare", None)
     if previous is not None:
-        model._prepare_cache_for_generation = previous
+        set_cache_preparer(model, previous)
     vars(model).pop("patchkv", None)
 
 
@@ -159,8 +160,8 @@ def _check_unwrapped(model: nn.Module, patch: Patch, modules: list[nn.Module]) -
         forward = vars(attn)["forward"]
         if not (isinstance(forward, LatentForward) and forward.module is attn):
             wrapped.append(f"{names.get(id(attn)) or type(attn).__name__}.forward")
-            accelerate = accelerate or hasattr(attn, "_hf_hook")
-    preparer = vars(model).get("_prepare_cache_for_generation")
+            accelerate = accelerate or accelerate_hook(attn) is not None
+    preparer = installed_cache_preparer(model)
     if preparer is not None and not isinstance(preparer, LatentCachePreparer):
         wrapped.append("model._prepare_cache_for_generation")
     if not wrapped:
@@ -225,10 +226,9 @@ class LatentCachePreparer:
         self.model = model
 
     def __call__(self, generation_config, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-        result = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs,
-                                                                *args, **kwargs)
+        result = prepare_cache(self.model, generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("cache")
-        if cache is None or getattr(cache, "_is_user_defined", False) or isinstance(cache, LatentCache):
+        if cache is None or is_user_defined(cache) or isinstance(cache, LatentCache):
             return result
         if isinstance(cache, QuantizedCache):
             raise PatchKVError("cache_implementation='quantized' would quantize full keys and values, but a patched "
