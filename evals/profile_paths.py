@@ -82,7 +82,7 @@ def table(title: str, wall: float, labels: dict[str, float], ops, top: tuple[str
 
 def _nested_in(inner: str, outer: str) -> bool:
     return {"patchkv::dense_operands": ("patchkv::reconstruct",),
-            "patchkv::decode_attention": ("patchkv::scores", "patchkv::weighted_sums", "patchkv::unpack"),
+            "patchkv::decode_attention": ("patchkv::attend", "patchkv::scores", "patchkv::unpack"),
             "patchkv::select": ("patchkv::unpack",)}.get(outer, ()).__contains__(inner)
 
 
