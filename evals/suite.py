@@ -1,6 +1,6 @@
 """What every benchmark shares: the reference model, the named configurations (registry), provenance.
 
-    from suite import CONFIGS, load_smollm2, provenance
+    from suite import CONFIGS, load_smollm2      # evals/ scripts; `python -m evals` imports it as evals.suite
     model, tokenizer = load_smollm2()
     patch = CONFIGS["8x"].patch(artifacts, context=4096)   # (artifact, methods) or None for a cache config
 
@@ -79,6 +79,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("4x", "pre_rope", _coded(4), note="global pre-RoPE codes, 4x vs bf16"),
     Config("8x", "pre_rope", _coded(8), note="global pre-RoPE codes, 8x vs bf16"),
     Config("16x", "pre_rope", _coded(16), note="global pre-RoPE codes, 16x vs bf16"),
+    Config("32x", "pre_rope", _coded(32), note="global pre-RoPE codes, 32x vs bf16"),
     Config("8x-top256", "pre_rope", _coded(8, extra=(patchkv.TopK(256, 16),)),
            note="8x + decode over the best 256 latent tokens per KV head"),
     Config("8x-post", "post_rope", _coded(8), note="global post-RoPE codes, 8x vs bf16"),

@@ -1,0 +1,251 @@
+"""The benchmark suite's one runner: named configurations (`evals/suite.py`) x named tasks (`evals/tasks.py`).
+
+    python -m evals list                                       # the registries
+    python -m evals run --configs unpatched,8x,16x --tasks ruler_niah_single_1 --context 4096 --samples 100
+    python -m evals peers --predictions .cache/ruler/kvpress.jsonl   # score kvpress's answers (evals/peers)
+    python -m evals table                                      # the README's accuracy table, from the CSV
+
+`run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
+leaves every configuration with the same samples), and appends one record per (configuration, task, context,
+sample) to `<results>/samples/<task>@<context>.jsonl` (`--results`, default evals/results) with the commit it ran at; samples already there are
+skipped, so a long run resumes and can be split into parts. After every sample the summary CSV
+(`<results>/smollm2_accuracy.csv`) is rebuilt from all records: one row per configuration x task x context with
+`samples`, the score, its 95% interval (`ci95`: RULER, Wilson; perplexity, bootstrap over documents), the
+unpatched score on the same samples, the KV bytes per token held and the commits and command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import random
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from patchkv.provenance import commit, machine
+
+from .suite import CONFIGS, SMOLLM2, load_artifacts, load_smollm2
+from .tasks import TASKS, Perplexity, Ruler, wilson_half_width
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "evals" / "results"
+BF16_BYTES = 2 * 30 * 3 * 64 * 2  # SmolLM2: K and V, layers, KV heads, head_dim, 2 bytes
+FIELDS = ["method", "family", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "samples", "score",
+          "ci95", "unpatched_score", "protocol", "commit", "command"]
+PROTOCOL = {"ruler": "context compressed after its prefill; question and answer read the cache",
+            "perplexity": "64 tokens per forward through the cache"}
+
+
+def command() -> str:
+    return "python -m evals " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def records_path(results: Path, task: str, context: int) -> Path:
+    return results / "samples" / f"{task}@{context}.jsonl"
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def append_record(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def family(config: str) -> str:
+    if config in CONFIGS:
+        return CONFIGS[config].kind
+    return config.split(" r=")[0]  # kvpress <Press> r=<ratio>
+
+
+def run(args: argparse.Namespace) -> None:
+    configs = [CONFIGS[c] for c in args.configs.split(",")]
+    tasks = [TASKS[t] for t in args.tasks.split(",")]
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model, tokenizer = load_smollm2(getattr(torch, args.dtype))
+    artifacts = load_artifacts(getattr(torch, args.dtype))
+    stamp = {"commit": commit(), "command": command(), "machine": machine(), "threads": torch.get_num_threads(),
+             "dtype": args.dtype}
+    import patchkv
+
+    for task in tasks:
+        path = records_path(args.results, task.name, args.context)
+        done = {(r["config"], r["index"]) for r in read_records(path)}
+        if isinstance(task, Ruler):
+            samples = task.samples(args.context, args.samples, SMOLLM2)
+        else:
+            samples = list(range(min(args.samples, task.available(args.context))))
+        for sample in samples:
+            index = sample["index"] if isinstance(sample, dict) else sample
+            for config in configs:
+                if (config.name, index) in done:
+                    continue
+                patch = config.patch(artifacts, args.context)
+                cache = config.cache(model) if config.cache else None
+                with patchkv.patched(model, *patch) if patch else _nothing():
+                    if isinstance(task, Ruler):
+                        scored = task.run(model, tokenizer, sample, cache)
+                    else:
+                        scored = task.run(model, tokenizer, index, args.context, cache)
+                record = {"config": config.name, "task": task.name, "context": args.context, **vars(scored),
+                          **stamp, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                append_record(path, record)
+                print(f"{task.name}@{args.context} #{index} {config.name}: score {scored.score:.4g} "
+                      f"({scored.kv_bytes_per_token:.0f} B/token, {scored.seconds:.1f} s) {scored.prediction[:40]!r}",
+                      flush=True)
+            write_summary(args.results)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def peers(args: argparse.Namespace) -> None:
+    """Score evals/peers' answers with the same task scorer and add them as sample records."""
+    from .tasks import ruler_score
+
+    stamp = {"machine": machine(), "dtype": "bfloat16"}
+    by_file: dict[Path, set] = {}
+    for line in Path(args.predictions).read_text().splitlines():
+        p = json.loads(line)
+        task = TASKS[f"ruler_{p['task'].removeprefix('ruler_')}"]
+        sample = task.samples(p["context_length"], p["index"] + 1, SMOLLM2)[p["index"]]
+        path = records_path(args.results, task.name, p["context_length"])
+        done = by_file.setdefault(path, {(r["config"], r["index"]) for r in read_records(path)})
+        if (p["method"], p["index"]) in done:
+            continue
+        done.add((p["method"], p["index"]))
+        append_record(path, {"config": p["method"], "task": task.name, "context": p["context_length"],
+                             "index": p["index"], "score": ruler_score(sample, p["prediction"]),
+                             "count": 1, "kv_bytes_per_token": p["kv_bytes_per_token"], "seconds": p["seconds"],
+                             "prediction": p["prediction"], "commit": p.get("commit", "unknown"),
+                             "command": p.get("command", args.predictions), **stamp, "threads": p.get("threads"),
+                             "date": p.get("date", "")})
+    write_summary(args.results)
+
+
+def summarise(records: list[dict], task: str) -> list[dict]:
+    """One row per configuration from one task x context's records; `unpatched_score` over the same samples."""
+    kind = TASKS[task].kind if task in TASKS else "ruler"
+    by_config: dict[str, dict[int, dict]] = defaultdict(dict)
+    for r in records:
+        by_config[r["config"]][r["index"]] = r  # the newest record of a sample wins
+    rows = []
+    for config, got in by_config.items():
+        indices = sorted(got)
+        score, ci = aggregate(kind, [got[i] for i in indices])
+        base = by_config.get("unpatched", {})
+        same = [base[i] for i in indices if i in base]
+        unpatched = aggregate(kind, same)[0] if len(same) == len(indices) else math.nan
+        held = sum(got[i]["kv_bytes_per_token"] for i in indices) / len(indices)
+        rows.append({"method": config, "family": family(config), "kv_bytes_per_token": round(held, 1),
+                     "compression_vs_bf16": round(BF16_BYTES / held, 3), "task": task,
+                     "context": records[0]["context"], "samples": len(indices), "score": round(score, 4),
+                     "ci95": round(ci, 4), "unpatched_score": round(unpatched, 4), "protocol": PROTOCOL[kind],
+                     "commit": " ".join(sorted({got[i]["commit"][:7] for i in indices})),
+                     "command": " | ".join(sorted({got[i]["command"] for i in indices}))})
+    return rows
+
+
+def aggregate(kind: str, records: list[dict]) -> tuple[float, float]:
+    """(score, ci95 half-width): RULER mean x 100 with a Wilson interval; perplexity over all tokens with a
+    bootstrap interval over documents (1000 resamples, seeded; nan for one document)."""
+    if not records:
+        return math.nan, math.nan
+    if kind == "ruler":
+        mean = sum(r["score"] for r in records) / len(records)
+        return 100 * mean, 100 * wilson_half_width(mean, len(records))
+
+    def ppl(rs):
+        return math.exp(sum(r["score"] for r in rs) / sum(r["count"] for r in rs))
+
+    if len(records) == 1:
+        return ppl(records), math.nan
+    rng = random.Random(0)
+    boot = sorted(ppl([rng.choice(records) for _ in records]) for _ in range(1000))
+    return ppl(records), (boot[974] - boot[24]) / 2
+
+
+def write_summary(results: Path) -> list[dict]:
+    """Rebuild `<results>/smollm2_accuracy.csv` from every record under `<results>/samples/`."""
+    rows = []
+    for file in sorted((results / "samples").glob("*.jsonl")):
+        task = file.stem.split("@")[0]
+        rows += summarise(read_records(file), task)
+    order = {name: i for i, name in enumerate(CONFIGS)}
+    rows.sort(key=lambda r: (r["task"], int(r["context"]), order.get(r["method"], len(order)), r["method"]))
+    with open(results / "smollm2_accuracy.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per method, one column per task@context: score ±ci95 (n)."""
+    columns = sorted({(r["task"], int(r["context"])) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["task"], int(r["context"])): r for r in rows}
+    head = ["method", "KV bytes/token", "vs bf16"] + [f"{t.removeprefix('ruler_')} {c // 1024}k" for t, c in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        first = next(r for r in rows if r["method"] == m)
+        cells = []
+        for t, c in columns:
+            r = cell.get((m, t, c))
+            if r is None:
+                cells.append("—")
+                continue
+            ci = float(r["ci95"])
+            cells.append(f"{float(r['score']):.2f}" + ("" if math.isnan(ci) else f" ±{ci:.1f}") + f" (n={r['samples']})")
+        lines.append(f"| {m} | {float(first['kv_bytes_per_token']):.0f} | {float(first['compression_vs_bf16']):.2f}x | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m evals", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder of samples/ records and the summary CSV (default evals/results)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the configurations and tasks")
+    r = sub.add_parser("run", help="score configurations on tasks, resumable")
+    r.add_argument("--configs", default="unpatched,quanto-int4,4x,8x,16x")
+    r.add_argument("--tasks", default="ruler_niah_single_1")
+    r.add_argument("--context", type=int, default=4096)
+    r.add_argument("--samples", type=int, default=100)
+    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p = sub.add_parser("peers", help="score evals/peers' kvpress answers into the same records")
+    p.add_argument("--predictions", required=True)
+    sub.add_parser("table", help="the summary CSV as a markdown table")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for c in CONFIGS.values():
+            print(f"config {c.name:14s} {c.kind:16s} {c.note}")
+        for name, task in TASKS.items():
+            print(f"task   {name:24s} {task.kind}")
+    elif args.command == "run":
+        run(args)
+    elif args.command == "peers":
+        peers(args)
+    else:
+        with open(args.results / "smollm2_accuracy.csv", newline="") as f:
+            print(table(list(csv.DictReader(f))))
+
+
+if __name__ == "__main__":
+    main()

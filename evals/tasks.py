@@ -1,0 +1,192 @@
+"""The suite's tasks (registry `TASKS`): what a configuration is scored on, one sample at a time.
+
+A task turns a sample index into a `Scored` record through the configuration's cache:
+- `Perplexity` (`ppl_prose`, `ppl_shakespeare`, `ppl_milton`): token perplexity of one held-out document, fed 64
+  tokens per forward through the cache (`patchkv.perplexity.token_nll`, the function `patchkv report` uses).
+- `Ruler` (`ruler_niah_single_1`, ...): lm-eval's own RULER task. Its prompt is split where the question starts;
+  the context goes through the model in one forward and is stored as the cache stores it (compressed by a
+  patchkv config, quantized by QuantizedCache, evicted by a kvpress press in evals/peers), then the question is
+  fed and the answer decoded greedily, every token reading the cache. The answer is scored by the task's own
+  `process_results`. Decoding stops at EOS, at the task's `max_gen_toks`, or once every reference answer is in the
+  text: RULER's metrics (`string_match_all` / `_part`) only look for the references, so that stop is exact.
+
+RULER's prompts are built once per (task, context) by lm-eval (seeded: some haystacks draw from the global
+generators) and kept in `.cache/ruler/<task>@<context>.jsonl` as token ids: the same ids every runner reads,
+kvpress's included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchkv.memory import cache_nbytes
+from patchkv.perplexity import token_nll
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "patchkv" / "tasks" / "data"
+RULER_CACHE = ROOT / ".cache" / "ruler"
+
+
+@dataclass
+class Scored:
+    """One sample through one configuration: `score` (RULER: in [0, 1]; perplexity: the NLL sum in nats over
+    `count` tokens), the cache's bytes per token after it, the answer decoded (RULER) and seconds taken."""
+
+    index: int
+    score: float
+    count: int
+    kv_bytes_per_token: float
+    seconds: float
+    prediction: str = ""
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """Token perplexity of the held-out `<domain>_4k.jsonl` documents (never in any calibration mix)."""
+
+    name: str
+    domain: str
+    chunk: int = 64
+    kind: str = "perplexity"
+
+    def documents(self) -> list[str]:
+        lines = (DATA / f"{self.domain}_4k.jsonl").read_text(encoding="utf-8").splitlines()
+        return [json.loads(line)["text"] for line in lines]
+
+    def available(self, context: int) -> int:
+        return len(self.documents())
+
+    def run(self, model: nn.Module, tokenizer: Any, index: int, context: int, cache: Any) -> Scored:
+        ids = tokenizer(self.documents()[index], add_special_tokens=False)["input_ids"]
+        start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        ids = torch.tensor([(start + ids)[:context]])
+        began = time.perf_counter()
+        scored = token_nll(model, ids, self.chunk, cache)
+        return Scored(index, scored.nll, scored.count, cache_nbytes(scored.cache) / ids.shape[1],
+                      time.perf_counter() - began)
+
+
+@dataclass(frozen=True)
+class Ruler:
+    """lm-eval's RULER `subtask` (offline ones only: the essay haystacks and QA sets need the Hub)."""
+
+    name: str
+    subtask: str
+    kind: str = "ruler"
+
+    def samples_path(self, context: int) -> Path:
+        return RULER_CACHE / f"{self.subtask}@{context}.jsonl"
+
+    def samples(self, context: int, count: int, tokenizer_path: Path) -> list[dict]:
+        """The first `count` prompts at `context` tokens: built by lm-eval once, then read from the cache file."""
+        path = self.samples_path(context)
+        have = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        if len(have) < count:
+            have = build_ruler_samples(self.subtask, context, count, tokenizer_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(s) + "\n" for s in have))
+        return have[:count]
+
+    def available(self, context: int) -> int:
+        path = self.samples_path(context)
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any) -> Scored:
+        device = next(model.parameters()).device
+        began = time.perf_counter()
+        context = torch.tensor([sample["context_ids"]], device=device)
+        question = torch.tensor([sample["question_ids"]], device=device)
+        out = model(input_ids=context, cache=cache, use_cache=True)
+        cache = out.cache if cache is None else cache
+        logits = model(input_ids=question, cache=cache, use_cache=True).logits[:, -1]
+        held = cache_nbytes(cache) / (context.shape[1] + question.shape[1])
+        answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
+        return Scored(sample["index"], ruler_score(sample, answer), 1, held, time.perf_counter() - began, answer)
+
+
+@torch.no_grad()
+def greedy_answer(model: nn.Module, tokenizer: Any, logits: torch.Tensor, cache: Any, limit: int,
+                  references: list[str]) -> str:
+    """Greedy-decode from next-token `logits` `[1, vocab]` through `cache` until EOS, `limit` tokens, or every
+    reference is in the text (lower-cased, as RULER matches)."""
+    tokens: list[int] = []
+    wanted = [r.lower() for r in references]
+    for _ in range(limit):
+        token = int(logits.argmax(-1))
+        if token == tokenizer.eos_token_id:
+            break
+        tokens.append(token)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if all(r in text.lower() for r in wanted):
+            break
+        logits = model(input_ids=torch.tensor([[token]], device=logits.device), cache=cache, use_cache=True).logits[:, -1]
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def ruler_score(sample: dict, answer: str) -> float:
+    """The task's own metric (lm-eval's `common_utils.process_results[_part]`) on one answer, in [0, 1]."""
+    from lm_eval.tasks.ruler import common_utils
+
+    scorer = getattr(common_utils, sample["scorer"])
+    return float(scorer({"max_length": sample["context_length"], "outputs": sample["outputs"]}, [answer])
+                 [str(sample["context_length"])])
+
+
+def build_ruler_samples(subtask: str, context: int, count: int, tokenizer_path: Path) -> list[dict]:
+    """`count` RULER prompts of `subtask` at `context` tokens as lm-eval builds them (its haystacks, its prompt and
+    answer prefix, tokenised as its HF model does: no special tokens), each split at its question into
+    `context_ids` and `question_ids`. Seeded: the same prompts on every run."""
+    import numpy as np
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    random.seed(0)
+    np.random.seed(0)
+    tasks = TaskManager(metadata={"max_seq_lengths": [context], "tokenizer": str(tokenizer_path)}).load([subtask])
+    task = next(iter(tasks.values())) if isinstance(tasks, dict) else tasks
+    while isinstance(task, dict):  # groups nest
+        task = next(iter(task.values()))
+    task.build_all_requests(limit=count, rank=0, world_size=1)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    out = []
+    for index, instance in enumerate(task.instances[:count]):
+        prompt, gen_kwargs = instance.arguments
+        doc = instance.doc
+        split = doc["input"].rfind("\n") + 1  # the question is the prompt's last line, then the answer prefix
+        if not 0 < split <= len(prompt) or not prompt.startswith(doc["input"][:split]):
+            raise ValueError(f"{subtask}: cannot find where the question starts in sample {index}")
+        enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        cut = next(i for i, (begin, _) in enumerate(enc["offset_mapping"]) if begin >= split)
+        ids = enc["input_ids"]
+        out.append({"task": subtask, "context_length": context, "index": index, "context_ids": ids[:cut],
+                    "question_ids": ids[cut:], "max_new_tokens": int(gen_kwargs.get("max_gen_toks", 128)),
+                    "outputs": list(doc["outputs"]), "scorer": task.config.process_results.__name__})
+    return out
+
+
+def wilson_half_width(mean: float, n: int) -> float:
+    """Half the width of the 95% Wilson interval of a mean of `n` scores in [0, 1] (never 0 when n is small)."""
+    if n == 0:
+        return math.nan
+    z = 1.959964
+    centre_spread = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n))
+    return centre_spread / (1 + z * z / n)
+
+
+TASKS: dict[str, Perplexity | Ruler] = {t.name: t for t in (
+    Perplexity("ppl_prose", "prose"),
+    Perplexity("ppl_shakespeare", "shakespeare"),
+    Perplexity("ppl_milton", "milton"),
+    *(Ruler(f"ruler_{s.removeprefix('ruler_')}", s) for s in (
+        "niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_fwe", "ruler_vt", "ruler_cwe")),
+)}
