@@ -12,7 +12,8 @@ adapter, and these changes:
    from the stored codes in one pass (`decode_attention`, `Mode.middle_attend`: scores, a running softmax, values
    summed in the latent space), merged with the exact tokens: `sum_j p_j v_j + U (sum_j p_j c_j) + (sum_j p_j)
    mean`;
-5. if the plan has a selector (top-k) a decode step attends only to each KV head's best-scoring latent tokens;
+5. if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
+   and attends exactly over sinks, those and the window;
 6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
 """
 
@@ -170,33 +171,19 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     return out.reshape(batch, 1, heads, -1).to(q.dtype)
 
 
-def decode_weights(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Scores `[batch, kv_heads, groups, n]` -> float32 attention weights (same shape): softmax of scores * scaling
-    + mask; mask `[batch, 1 or heads, 1, >= n]`, its first n columns, as the attention functions take them (or
-    `[batch, heads, 1, n]` from `select`)."""
-    scores = scores.float() * scaling
-    batch, kv_heads, groups, n = scores.shape
-    if mask is not None:
-        m = _additive(mask[..., :n])
-        scores = scores + (m.view(m.shape[0], kv_heads, groups, n) if m.shape[1] > 1 else m)
-    return scores.softmax(-1)
-
-
 def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | None
            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """Top-k at a decode step: each KV head's best-scoring middle tokens by the selector's approximate scores (q
-    `[batch, heads, 1, d]` as the mode's `queries` returns it) -> (their keys as attention reads them, their
-    values), float32 `[batch, kv_heads, k, d]` each, and the mask cut to sinks, chosen tokens and window."""
-    selector, mode = lp.patch.plan.selector, lp.patch.mode
+    """A decode step under the plan's selector (`Selector.choose`, e.g. `TopK`): asks it which middle tokens each KV
+    head reads, scored by the mode's `approximate_scores` of q `[batch, heads, 1, d]` (as the mode's `queries` returns
+    it), and reads them -> (their keys as attention reads them, their values), float32 `[batch, kv_heads, k, d]` each,
+    and the mask cut to sinks, chosen tokens and window."""
+    mode = lp.patch.mode
     codecs = lp.keys, lp.values
-    rank = min(selector.rank or codecs[0].basis.max_rank, codecs[0].basis.max_rank)
-    coeffs = codecs[0].leading(seen.middle_keys.unsqueeze(1), rank)
-    scores = mode.approximate_scores(lp, q, coeffs, seen.middle_positions)  # [batch, heads, m]
     ns, nm, nr = seen.sink_keys.shape[2], seen.middle_len, seen.recent_keys.shape[2]
-    if mask is not None:
-        scores = scores + _additive(mask)[:, :, -1, ns:ns + nm]
-    groups = codecs[0].basis.query_groups
-    chosen = selector.select(scores, groups)  # [batch, kv_heads, k]
+    bias = None if mask is None else _additive(mask)[:, :, -1, ns:ns + nm]
+    chosen = lp.patch.plan.selector.choose(
+        codecs[0], seen.middle_keys, lambda coeffs: mode.approximate_scores(lp, q, coeffs, seen.middle_positions),
+        bias)  # [batch, kv_heads, k]
     batch, kv_heads, k = chosen.shape
     positions = seen.middle_positions.unsqueeze(1).expand(-1, kv_heads, -1).gather(2, chosen)
     picked = []
@@ -207,7 +194,7 @@ def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | 
         picked.append(vectors.view(batch, kv_heads, kv_heads, k, -1).diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2))
     keys = mode.exact_keys(lp, picked[0], positions)
     if mask is not None:
-        mask = _select_columns(mask, chosen, ns, nm, nr, groups)
+        mask = _select_columns(mask, chosen, ns, nm, nr, codecs[0].basis.query_groups)
     return (keys, picked[1]), mask
 
 

@@ -19,7 +19,8 @@ floats) through `patchkv.kernels`, never from a decoded copy kept between forwar
 Dense operands are in the model's dtype, as the unpatched model computes attention; a decode step scores and
 sums in float32 (the kernels accumulate in float32 whatever the stored dtype).
 
-Top-k selection scores candidates approximately (`approximate_scores`); attention over the chosen tokens is
+A selector (`patchkv.methods.TopK`) chooses the middle tokens a decode step reads from the mode's approximate
+scores (`approximate_scores`, the one mode-specific part of selection); attention over the chosen tokens is
 exact. Pre-RoPE, each chunk of `SCORE_CHUNK` consecutive middle tokens is scored in the latent space
 against the query turned back by the rotation of the chunk's centre position, `U^T R(p_ref)^T q`, so no
 key is rebuilt; the error is the rotation between a token and its chunk's centre.

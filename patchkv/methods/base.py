@@ -13,6 +13,7 @@ and `configure`, registered in `patchkv/methods/__init__.py`. The CLI and the ev
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -53,17 +54,23 @@ class CodecMethod(Method):
 
 
 class Selector(Method):
-    """A method that picks, at a decode step, which latent tokens each KV head attends to."""
+    """A method that picks, at a decode step, which latent tokens each KV head attends to. Attention asks it which
+    middle tokens to read (`choose`) and reads only those, exactly (`patchkv.attention.select`); the mode gives it the
+    one mode-specific primitive it needs, scores of this step's query against leading key coefficients."""
 
     role = "selection"
-    #: leading key components used to score candidates (None: all the codec keeps)
-    rank: int | None
-
-    def select(self, scores: torch.Tensor, groups: int) -> torch.Tensor:
-        """Approximate scores `[batch, heads, n]` -> sorted indices `[batch, kv_heads, k]` into the n tokens."""
-        raise NotImplementedError
 
     def applies(self, query_len: int, middle_len: int) -> bool:
+        """Whether a forward of `query_len` queries over a middle of `middle_len` latent tokens selects."""
+        raise NotImplementedError
+
+    def choose(self, codec: Codec, middle: torch.Tensor, score: Callable[[torch.Tensor], torch.Tensor],
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """The middle tokens each KV head reads at this decode step. codec: the layer's key codec; middle: the
+        middle's keys as stored, `[batch, m, width]`; score: the mode's scores of this step's query against leading
+        key coefficients `[batch, kv_heads, m, r]` -> float32 `[batch, heads, m]`; bias: the mask's middle columns
+        for this query, additive float32 `[batch, 1 or heads, m]`, or None -> sorted indices `[batch, kv_heads, k]`
+        into the middle."""
         raise NotImplementedError
 
     def configure(self, plan: CachePlan) -> CachePlan:
