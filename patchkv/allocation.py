@@ -13,13 +13,29 @@ Each component with cost-variance `lam` coded at b bits by the uniform quantizer
 strictly decreasing and convex in b, so taking the `budget` largest marginal gains
 lam_c * (GAUSSIAN_MSE[b] - GAUSSIAN_MSE[b + 1]) over all (component, b) is an exact optimum of the integer
 allocation (the gains of each component are already sorted, so a greedy choice is always feasible).
+
+Over an artifact (`bit_allocation`), the bits of `Quantized(bits, pool)` come from one of two pools (`POOLS`):
+"head" (each head's own budget) or "global" (one pool by effect weight). This module also counts the bytes per
+token a budget holds (`kv_bytes_per_token`, `compression_ratio`) and picks the step scales a budget codes with
+(`step_scales_for`, from the artifact's typed `step_budgets`).
 """
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
-from .quantize import GAUSSIAN_MSE, MAX_BITS
+from .quantize import GAUSSIAN_MSE, MAX_BITS, allocate_bits
+
+if TYPE_CHECKING:  # this module sits below patchkv.artifact, which imports POOLS from it
+    from .artifact import Artifact, Components
+
+#: how `Quantized` shares its bits: "head" (every head's keys and values get the budget) or "global" (one pool)
+POOLS = ("head", "global")
+#: a budget's step scales serve a `Quantized` budget of the same pool within this factor of its bits
+STEP_BUDGET_REACH = 1.5
 
 
 def marginal_gains(eigenvalues: torch.Tensor, max_bits: int = MAX_BITS) -> torch.Tensor:
@@ -122,3 +138,82 @@ def allocate_to_bytes(costs: list[torch.Tensor], byte_budget: int, max_bits: int
             nxt = torch.where(room, gains[rows, b.clamp(max=max_bits - 1)], -1.0)
             b[int(nxt.argmax())] += 1
     return bits
+
+
+# ----- budgets over an artifact: bits per component, bytes per token, step scales ---------------------------------
+def default_pool(artifact: Artifact) -> str:
+    """"global" when the artifact has effect weights (the pool by expected loss), else "head"."""
+    return "global" if artifact.has_effect_weights else "head"
+
+
+def cost_variances(components: Components) -> torch.Tensor:
+    """What dropping each component costs, in nats per token (eigenvalue x effect weight): `[L, H, d]` float64.
+    Needs effect weights."""
+    return components.eigenvalues.double().clamp_min(0) * components.weights.double()
+
+
+def bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+    """Bits per component `[layers, kv_heads, head_dim]` int64 for keys and for values, `bits` per head and token
+    on average: what `Quantized(bits, pool)` codes with.
+
+    pool="head": exactly `bits` for every head's keys and every head's values, by dynamic programming on that
+    head's eigenvalues (`patchkv.quantize.allocate_bits`). pool="global": one pool of
+    `bits x layers x kv_heads x 2` bits shared by every layer, head, key and value, allocated on the
+    cost-variances (`cost_variances`) so the expected loss increase is minimal, with each layer's key and value
+    codes packed to whole bytes within the pool (`allocate_to_bytes`); needs an artifact with effect weights.
+    """
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
+    dim = artifact.head_dim
+    if not 1 <= bits <= dim * MAX_BITS:
+        raise ValueError(f"bits per head must be in [1, {dim * MAX_BITS}] for head_dim={dim}, got {bits}.")
+    if pool == "head":
+        return allocate_bits(artifact.keys.eigenvalues, bits), allocate_bits(artifact.values.eigenvalues, bits)
+    if not artifact.has_effect_weights:
+        raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none (format "
+                         "version 1). Recalibrate with effect weights: patchkv.calibrate(..., fisher_tokens=8192) "
+                         "or `patchkv calibrate --fisher-tokens 8192`; or use pool='head'.")
+    layers, heads = artifact.num_layers, artifact.num_kv_heads
+    per_kind = [cost_variances(c) for c in (artifact.keys, artifact.values)]
+    groups = allocate_to_bytes([c[layer].flatten() for layer in range(layers) for c in per_kind],
+                               bits * layers * heads * 2 // 8)
+    keys = torch.stack([groups[2 * layer] for layer in range(layers)]).view(layers, heads, dim)
+    values = torch.stack([groups[2 * layer + 1] for layer in range(layers)]).view(layers, heads, dim)
+    return keys, values
+
+
+def full_kv_bytes_per_token(artifact: Artifact, element_size: int | None = None) -> int:
+    """Bytes per token of the uncompressed cache: 2 (K and V) x layers x KV heads x head_dim x `element_size`
+    (default: that of the artifact's model dtype)."""
+    size = artifact.element_size if element_size is None else element_size
+    return 2 * artifact.num_layers * artifact.num_kv_heads * artifact.head_dim * size
+
+
+def kv_bytes_per_token(artifact: Artifact, bits: int | None = None, pool: str = "head") -> int:
+    """Bytes per token of the latent cache: the kept components of K and V (`ranks`) in the model dtype, summed
+    over layers and heads; with `bits`, the codes of `Quantized(bits, pool)` (each layer's K and V codes rounded
+    up to whole bytes)."""
+    if bits is None:
+        return int(artifact.keys.ranks.sum() + artifact.values.ranks.sum()) * artifact.element_size
+    return sum(-(-int(a[layer].sum()) // 8) for a in bit_allocation(artifact, bits, pool) for layer in range(len(a)))
+
+
+def compression_ratio(artifact: Artifact, bits: int | None = None, pool: str = "head") -> float:
+    """`full_kv_bytes_per_token` / `kv_bytes_per_token(bits, pool)`."""
+    return full_kv_bytes_per_token(artifact) / kv_bytes_per_token(artifact, bits, pool)
+
+
+def step_scales_for(artifact: Artifact, bits: int, pool: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step scales (keys, values) `[L, H]` that `Quantized(bits, pool)` codes with, from the artifact's typed
+    `step_budgets`: those fitted for that budget, else for the nearest budget of the same pool within a factor
+    `STEP_BUDGET_REACH` of its bits; None if there is none (the Gaussian-matched range). A budget of the other pool
+    never serves: the pools give the same components different bits (on SmolLM2, global-pool scales cost the
+    per-head pool +21% perplexity)."""
+    if not artifact.has_step_scales:
+        return None
+    near = [(abs(math.log(b / bits)), i) for i, (b, p) in enumerate(artifact.step_budgets)
+            if p == pool and max(b / bits, bits / b) <= STEP_BUDGET_REACH]
+    if not near:
+        return None
+    index = min(near)[1]
+    return artifact.keys.step_scales[index], artifact.values.step_scales[index]

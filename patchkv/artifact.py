@@ -113,14 +113,13 @@ from . import hub
 from .adapters import adapter_for, attention_modules
 from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
 from .hub import FILENAME
+from .allocation import POOLS, compression_ratio
 from .pca import select_ranks
-from .allocation import allocate_to_bytes
-from .quantize import MAX_BITS, allocate_bits
+from .quantize import MAX_BITS
 
 #: the newest format this version reads and writes (each file is written at the lowest version that holds it)
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
-POOLS = ("head", "global")
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 #: the fields `apply` checks (dtype is information: bases are cast to the model's dtype at `apply`)
@@ -136,8 +135,6 @@ TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
 STEP_SCALES = "step_scales"
 STEP_BUDGETS = "step_budgets"
-#: a budget's step scales serve a `Quantized` budget of the same pool within this factor of its bits
-STEP_BUDGET_REACH = 1.5
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
 ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
@@ -171,11 +168,6 @@ class Components:
             out[f"{kind}.{STEP_SCALES}"] = self.step_scales.float().contiguous()
         return out
 
-    def costs(self) -> torch.Tensor:
-        """Cost-variances `[L, H, d]` float64: what dropping each component costs, in nats per token
-        (eigenvalue x effect weight). Needs effect weights."""
-        return self.eigenvalues.double().clamp_min(0) * self.weights.double()
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -200,7 +192,9 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
 
 
 class Artifact:
-    """Calibrated bases for one model and one mode. Create with `patchkv.calibrate` or `Artifact.load`."""
+    """Calibrated bases for one model and one mode: the data of the format, its load / save / validation, and
+    small accessors. Create with `patchkv.calibrate` or `Artifact.load`. What a budget makes of it (bits per
+    component, bytes per token, the step scales a budget codes with) is in `patchkv.allocation`."""
 
     def __init__(self, *, mode: str, model: dict[str, Any], keys: Components, values: Components,
                  calibration: dict[str, Any] | None = None, step_budgets: list[tuple[int, str]] | None = None):
@@ -234,6 +228,7 @@ class Artifact:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of the model dtype the artifact is declared for."""
         return torch.empty(0, dtype=getattr(torch, self.model["dtype"])).element_size()
 
     @property
@@ -248,68 +243,6 @@ class Artifact:
     def format_version(self) -> int:
         """The version this artifact is written at: 4 with step scales, else 2 with effect weights, else 1."""
         return 4 if self.has_step_scales else 2 if self.has_effect_weights else 1
-
-    def step_scales_for(self, bits: int, pool: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step scales (keys, values) `[L, H]` that `Quantized(bits, pool)` codes with: those fitted for that
-        budget, else for the nearest budget of the same pool within a factor `STEP_BUDGET_REACH` of its bits; None
-        if there is none (the Gaussian-matched range). A budget of the other pool never serves: the pools give the
-        same components different bits (on SmolLM2, global-pool scales cost the per-head pool +21% perplexity)."""
-        if not self.has_step_scales:
-            return None
-        import math
-
-        near = [(abs(math.log(b / bits)), i) for i, (b, p) in enumerate(self.step_budgets)
-                if p == pool and max(b / bits, bits / b) <= STEP_BUDGET_REACH]
-        if not near:
-            return None
-        index = min(near)[1]
-        return self.keys.step_scales[index], self.values.step_scales[index]
-
-    def bit_allocation(self, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
-        """Bits per component `[layers, kv_heads, head_dim]` for keys and for values, `bits` per head and token
-        on average.
-
-        pool="head": exactly `bits` for every head's keys and every head's values, by dynamic programming on
-        that head's eigenvalues (`patchkv.quantize.allocate_bits`). pool="global": one pool of
-        `bits x layers x kv_heads x 2` bits shared by every layer, head, key and value, allocated on the
-        cost-variances (eigenvalue x effect weight) so the expected loss increase is minimal, with each
-        layer's key and value codes packed to whole bytes within the pool
-        (`patchkv.allocation.allocate_to_bytes`); needs an artifact with effect weights.
-        """
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
-        dim = self.head_dim
-        if not 1 <= bits <= dim * MAX_BITS:
-            raise ValueError(f"bits per head must be in [1, {dim * MAX_BITS}] for head_dim={dim}, got {bits}.")
-        if pool == "head":
-            return allocate_bits(self.keys.eigenvalues, bits), allocate_bits(self.values.eigenvalues, bits)
-        if not self.has_effect_weights:
-            raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none (format "
-                             "version 1). Recalibrate with effect weights: patchkv.calibrate(..., fisher_tokens=8192) "
-                             "or `patchkv calibrate --fisher-tokens 8192`; or use pool='head'.")
-        layers, heads = self.num_layers, self.num_kv_heads
-        per_kind = [getattr(self, kind).costs() for kind in KINDS]
-        costs = [c[layer].flatten() for layer in range(layers) for c in per_kind]
-        groups = allocate_to_bytes(costs, bits * layers * heads * 2 // 8)
-        keys = torch.stack([groups[2 * layer] for layer in range(layers)]).view(layers, heads, dim)
-        values = torch.stack([groups[2 * layer + 1] for layer in range(layers)]).view(layers, heads, dim)
-        return keys, values
-
-    def full_kv_bytes_per_token(self) -> int:
-        """Bytes per token of the uncompressed cache: 2 (K and V) x layers x KV heads x head_dim x element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
-
-    def kv_bytes_per_token(self, bits: int | None = None, pool: str = "head") -> int:
-        """Bytes per token of the latent cache: the kept components of K and V, summed over layers and heads;
-        with `bits`, the quantized codes (each layer's K and V codes rounded up to whole bytes)."""
-        if bits is None:
-            return int(self.keys.ranks.sum() + self.values.ranks.sum()) * self.element_size
-        allocation = self.bit_allocation(bits, pool)
-        return sum(int(-(-int(a[layer].sum()) // 8)) for a in allocation for layer in range(len(a)))
-
-    def compression_ratio(self, bits: int | None = None, pool: str = "head") -> float:
-        """Uncompressed bytes per token divided by latent bytes per token."""
-        return self.full_kv_bytes_per_token() / self.kv_bytes_per_token(bits, pool)
 
     # ----- re-targeting ------------------------------------------------------------------------
     def with_ranks(self, rank: int | None = None, energy: float | None = None) -> Artifact:
@@ -499,7 +432,7 @@ class Artifact:
                 f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"mean key rank={self.keys.ranks.float().mean():.1f}, "
                 f"mean value rank={self.values.ranks.float().mean():.1f}, "
-                f"compression={self.compression_ratio():.2f}x"
+                f"compression={compression_ratio(self):.2f}x"
                 + (f", step scales for {', '.join(f'{b} bits/{p}' for b, p in self.step_budgets)}"
                    if self.has_step_scales else "") + ")")
 

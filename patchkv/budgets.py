@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .allocation import default_pool, full_kv_bytes_per_token, kv_bytes_per_token
 from .methods import Method, Quantized, SinksWindow
 
 #: the sinks and recent window every budget keeps exact (and counts)
@@ -28,11 +29,7 @@ DEFAULT_BUDGETS = ("4x", "8x", "16x")
 
 def sixteen_bit_bytes(artifact) -> int:
     """Bytes per token of the uncompressed cache in a 16-bit dtype (bf16 / fp16): what ratios are quoted against."""
-    return 2 * artifact.num_layers * artifact.num_kv_heads * artifact.head_dim * 2
-
-
-def default_pool(artifact) -> str:
-    return "global" if artifact.has_effect_weights else "head"
+    return full_kv_bytes_per_token(artifact, element_size=2)
 
 
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
@@ -44,7 +41,7 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     exact = min(sink_tokens + window, context)
 
     def total(bits: int) -> float:
-        return (exact * full + (context - exact) * artifact.kv_bytes_per_token(bits, pool)) / context + POSITION_BYTES
+        return (exact * full + (context - exact) * kv_bytes_per_token(artifact, bits, pool)) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
         raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {sink_tokens} sinks and a "

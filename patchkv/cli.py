@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from .allocation import bit_allocation, default_pool, full_kv_bytes_per_token, kv_bytes_per_token
 from .errors import IncompatibleArtifactError, PatchKVError
 from .hub import FILENAME, expand_user
 
@@ -142,7 +143,6 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     import time
 
     from . import calibrate
-    from .budgets import default_pool
     from .distributed import destroy, init_from_env, is_main_process
     from .steps import fit_step_scales
     from .texts import read_texts
@@ -271,7 +271,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     build_plan(methods)  # conflicting methods are refused here, not after the baseline
     for art in artifacts:
         if args.bits:
-            art.bit_allocation(args.bits)  # a budget out of range is a ValueError here, not after the baseline
+            bit_allocation(art, args.bits)  # a budget out of range is a ValueError here, not after the baseline
         if args.top_k_rank is not None and args.top_k_rank > art.head_dim:
             raise ValueError(f"--top-k-rank {args.top_k_rank} exceeds head_dim={art.head_dim}.")
     model, tokenizer = _load_model(args.model, args.dtype, args.gguf_file)
@@ -307,7 +307,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         from .artifact import file_sha256
 
         print(f"file sha256: {file_sha256(local / FILENAME if local.is_dir() else local)}")
-    print(f"KV bytes/token: {art.kv_bytes_per_token()} (uncompressed {art.full_kv_bytes_per_token()})")
+    print(f"KV bytes/token: {kv_bytes_per_token(art)} (uncompressed {full_kv_bytes_per_token(art)})")
     print(f"key ranks:   {art.keys.ranks.tolist()}\nvalue ranks: {art.values.ranks.tolist()}")
     print(f"calibration: {art.calibration}")
 

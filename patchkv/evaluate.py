@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from torch import nn
 
+from .allocation import full_kv_bytes_per_token
 from .artifact import Artifact
 from .methods import Method
 from .patching import patched
@@ -87,7 +88,7 @@ def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=
         return _headline(run_tasks(model, tokenizer, tasks, limit, lm=StreamingLM(model, tokenizer, chunk=chunk)))
 
     first = artifacts[0] if artifacts else None
-    full = first.full_kv_bytes_per_token() if first else 0
+    full = full_kv_bytes_per_token(first) if first else 0
     rows = [EvalRow("unpatched", "-", "-", full, 1.0, scores())]
     for art in artifacts:
         with patched(model, art, methods) as m:
@@ -96,7 +97,7 @@ def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=
             row_scores = scores()
         budget = budget_label(art) + (f" + {plan}" if plan else "")
         rows.append(EvalRow(f"{art.mode} {budget}", art.mode, budget, round(per_token, 1),
-                            art.full_kv_bytes_per_token() / per_token, row_scores))
+                            full_kv_bytes_per_token(art) / per_token, row_scores))
     return rows
 
 

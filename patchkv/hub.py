@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .allocation import compression_ratio, full_kv_bytes_per_token, kv_bytes_per_token
 from .errors import ArtifactError, HubError
 
 if TYPE_CHECKING:  # this module sits below patchkv.artifact, which calls it; it only reads artifacts' attributes
@@ -54,8 +55,8 @@ def model_card(artifact: Artifact, eval_table: str | None = None) -> str:
         f"| layers x KV heads x head_dim | {artifact.num_layers} x {artifact.num_kv_heads} x {artifact.head_dim} |",
         f"| mean key rank per layer | {key_ranks} |",
         f"| mean value rank per layer | {value_ranks} |",
-        f"| KV bytes per token | {artifact.kv_bytes_per_token()} (uncompressed {artifact.full_kv_bytes_per_token()}) |",
-        f"| compression | {artifact.compression_ratio():.2f}x |",
+        f"| KV bytes per token | {kv_bytes_per_token(artifact)} (uncompressed {full_kv_bytes_per_token(artifact)}) |",
+        f"| compression | {compression_ratio(artifact):.2f}x |",
         f"| calibration | {_md(cal.get('source', '-'))}: {_md(cal.get('tokens', '-'))} tokens, sink_tokens="
         f"{_md(cal.get('sink_tokens', 0))}, selection {_md(selection)} |",
         f"| checksum | `{artifact.metadata()['checksum']}` |", "",

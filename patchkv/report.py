@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .allocation import step_scales_for
 from .artifact import Artifact
 from .budgets import Budget, sixteen_bit_bytes
 from .memory import cache_nbytes
@@ -113,7 +114,7 @@ def _configs(model: nn.Module, artifact: Artifact, budgets: list[Budget], contex
             out.append((f"QuantizedCache quanto int{nbits}", None, factory, note))
     for budget in budgets:
         methods = budget.methods(artifact, context)
-        scaled = artifact.step_scales_for(methods[-1].bits, methods[-1].pool) is not None
+        scaled = step_scales_for(artifact, methods[-1].bits, methods[-1].pool) is not None
         out.append((f"patchkv {budget}", (artifact, methods),
                     None, " + ".join(m.spec() for m in methods) + ("" if scaled else " (no step scales for this budget)")))
     return out

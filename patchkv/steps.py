@@ -15,7 +15,7 @@ output error alone was tried on SmolLM2 and lost to one scale per kind on held-o
 
 Scales are fitted per budget: the artifact keeps one set per `(bits, pool)` (`Artifact.step_budgets`, format
 version 4), and `Quantized(bits, pool)` reads the set fitted for its budget, or for the nearest of its pool
-(`Artifact.step_scales_for`). Each fit's trials are recorded, for information, in
+(`patchkv.allocation.step_scales_for`). Each fit's trials are recorded, for information, in
 `calibration["step_scale_fits"]`.
 """
 

@@ -6,6 +6,7 @@ from conftest import calibration_ids, fed_in_chunks, make_model
 from transformers import DynamicCache
 
 import patchkv
+from patchkv.allocation import compression_ratio, full_kv_bytes_per_token, kv_bytes_per_token
 
 
 def left_padded_batch():
@@ -67,9 +68,9 @@ def test_cache_holds_latents_and_shrinks_by_the_artifact_ratio(mode, budget):
         # packed latents, not [3, kv_heads, tokens, head_dim]
         assert layer.tensors["latent_keys"].shape == (3, 1, tokens, total)
         assert layer.tensors["latent_values"].shape[-1] == int(artifact.values.ranks[layer_idx].sum())
-    assert cache_bytes(full) / cache_bytes(latent) == pytest.approx(artifact.compression_ratio())
-    assert cache_bytes(latent) == 3 * tokens * artifact.kv_bytes_per_token()
-    assert cache_bytes(full) == 3 * tokens * artifact.full_kv_bytes_per_token()
+    assert cache_bytes(full) / cache_bytes(latent) == pytest.approx(compression_ratio(artifact))
+    assert cache_bytes(latent) == 3 * tokens * kv_bytes_per_token(artifact)
+    assert cache_bytes(full) == 3 * tokens * full_kv_bytes_per_token(artifact)
     assert latent.nbytes() == cache_bytes(latent) + 3 * tokens * 4  # int32 true positions, once for all layers
 
 

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from test_reliability_artifact import read, write
 
 import patchkv
+from patchkv.allocation import bit_allocation, cost_variances, kv_bytes_per_token
 from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError, InvalidArtifactError
 from patchkv.methods import parse_method
@@ -64,9 +65,9 @@ def test_weights_for_keys_only_are_refused(weighted):
 @pytest.mark.parametrize("bits", [8, 21, 64])
 def test_global_pool_holds_exactly_its_bytes(model, weighted, bits):
     layers, heads = weighted.num_layers, weighted.num_kv_heads
-    keys, values = weighted.bit_allocation(bits, "global")
+    keys, values = bit_allocation(weighted, bits, "global")
     per_codec = [int(a[layer].sum()) for a in (keys, values) for layer in range(layers)]
-    declared = weighted.kv_bytes_per_token(bits, "global")
+    declared = kv_bytes_per_token(weighted, bits, "global")
     assert declared == sum(-(-b // 8) for b in per_codec) <= bits * layers * heads * 2 // 8
     assert declared >= bits * layers * heads * 2 // 8 - 2 * layers  # less than a byte per codec is left over
     x = calibration_ids(2, 14, seed=5)
@@ -81,9 +82,9 @@ def test_global_pool_spends_bits_where_the_loss_is_sensitive(weighted):
     """Scaling one layer's value weights up pulls bits to it; the per-head pool does not look at weights."""
     loud = copy.deepcopy(weighted)
     loud.values.weights[1] *= 1e4
-    before, after = weighted.bit_allocation(32, "global")[1], loud.bit_allocation(32, "global")[1]
+    before, after = bit_allocation(weighted, 32, "global")[1], bit_allocation(loud, 32, "global")[1]
     assert after[1].sum() > before[1].sum()
-    assert torch.equal(weighted.bit_allocation(32, "head")[1], loud.bit_allocation(32, "head")[1])
+    assert torch.equal(bit_allocation(weighted, 32, "head")[1], bit_allocation(loud, 32, "head")[1])
 
 
 def test_global_pool_lowers_the_weighted_error_it_optimises(weighted):
@@ -91,8 +92,8 @@ def test_global_pool_lowers_the_weighted_error_it_optimises(weighted):
     from patchkv.allocation import expected_distortion
 
     def cost(pool):
-        k, v = weighted.bit_allocation(24, pool)
-        return sum(float(expected_distortion(c.costs().flatten(), b.flatten()))
+        k, v = bit_allocation(weighted, 24, pool)
+        return sum(float(expected_distortion(cost_variances(c).flatten(), b.flatten()))
                    for c, b in ((weighted.keys, k), (weighted.values, v)))
 
     assert cost("global") < cost("head")

@@ -10,6 +10,7 @@ from conftest import calibration_ids, fed_in_chunks, make_model
 from fake_hub import FakeHub, front_matter
 
 import patchkv
+from patchkv.allocation import compression_ratio
 from patchkv.artifact import FILENAME, file_sha256
 from patchkv.errors import ArtifactError, HubError
 
@@ -29,7 +30,7 @@ def test_push_to_hub_uploads_artifact_and_model_card(tmp_path, monkeypatch):
         # the bytes that arrived are the artifact, byte for byte, and load with a valid checksum
         assert hashlib.sha256(repo["files"][FILENAME]).digest() == hashlib.sha256(local.read_bytes()).digest()
         card = repo["files"]["README.md"].decode()
-        for fragment in ("library_name: patchkv", "`pre_rope`", f"{artifact.compression_ratio():.2f}x",
+        for fragment in ("library_name: patchkv", "`pre_rope`", f"{compression_ratio(artifact):.2f}x",
                          "pre_rope | 10.5 (+0.5)", artifact.metadata()["checksum"]):
             assert fragment in card
         downloaded = patchkv.Artifact.from_pretrained("me/bases", endpoint=hub.url, token="hf_test")

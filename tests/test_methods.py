@@ -7,6 +7,7 @@ import torch
 from conftest import calibration_ids, fed_in_chunks, make_model
 
 import patchkv
+from patchkv.allocation import kv_bytes_per_token
 from patchkv.kernels import ops as kernels
 from patchkv.quantize import GAUSSIAN_MSE, CoefficientQuantizer, allocate_bits
 
@@ -124,7 +125,7 @@ def test_quantized_cache_reaches_16x_and_32x_vs_fp16(mode, ratio):
         cache = model.generate(x, **kwargs).past_key_values
     tokens = 12 + 6 - 1
     held = sum(layer.nbytes() for layer in cache.layers)
-    assert held == 2 * tokens * full.kv_bytes_per_token(bits=bits)
+    assert held == 2 * tokens * kv_bytes_per_token(full, bits=bits)
     fp16_bytes = 2 * tokens * 2 * 2 * 2 * dim * 2  # batch, layers, K and V, kv_heads, head_dim, 2 bytes
     assert fp16_bytes / held == pytest.approx(ratio)
 

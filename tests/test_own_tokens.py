@@ -10,6 +10,7 @@ from conftest import calibration_ids, make_model
 from transformers import DynamicCache
 
 import patchkv
+from patchkv.allocation import full_kv_bytes_per_token, kv_bytes_per_token
 from patchkv.cache import LatentLayer
 
 TOL = 1e-5
@@ -98,7 +99,7 @@ def test_tokens_are_encoded_after_attention_and_views_follow_what_attention_read
     with patchkv.patched(model, art, bits=24, sink_tokens=2, window=3):
         cache = model(x, use_cache=True).cache
     tokens, middle = 30, 30 - 2 - 3
-    exact_bytes = art.full_kv_bytes_per_token() // art.num_layers  # one layer's exact K and V per token
+    exact_bytes = full_kv_bytes_per_token(art) // art.num_layers  # one layer's exact K and V per token
     for i, layer in enumerate(cache.layers):
         middle_during, window_during, keys, values = during[i]
         assert (middle_during, window_during) == (0, tokens - 2)
@@ -111,4 +112,4 @@ def test_tokens_are_encoded_after_attention_and_views_follow_what_attention_read
         assert torch.allclose(layer.values[:, :, -3:], plain.layers[i].values[:, :, -3:], atol=TOL)
     assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers) + 2 * tokens * 4
     assert sum(layer.nbytes() - 2 * 5 * exact_bytes for layer in cache.layers) == \
-        2 * middle * art.kv_bytes_per_token(bits=24)
+        2 * middle * kv_bytes_per_token(art, bits=24)

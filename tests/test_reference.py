@@ -12,6 +12,7 @@ from conftest import fed_in_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchkv
+from patchkv.allocation import kv_bytes_per_token
 from patchkv.cli import main as cli
 from patchkv.corpus import shakespeare_held_out
 
@@ -137,7 +138,7 @@ def test_streaming_lm_scores_through_the_cache(reference):
         streamed = lm.loglikelihood([request], disable_tqdm=True)[0][0]
         assert streamed == pytest.approx(decoded(), abs=1e-3) and abs(streamed - exact) > 1e-2
         assert one_forward() == pytest.approx(exact, abs=1e-3)  # a single forward reads its own tokens exact
-        assert lm.kv_bytes_per_token == art.kv_bytes_per_token() + 4  # + the int32 true position of each token
+        assert lm.kv_bytes_per_token == kv_bytes_per_token(art) + 4  # + the int32 true position of each token
     with patchkv.patched(model, art, sink_tokens=1, window=2):
         dense = StreamingLM(model, tokenizer).loglikelihood([request], disable_tqdm=True)[0][0]
     with patchkv.patched(model, art, sink_tokens=1, window=2, top_k=4, top_k_rank=4):

@@ -11,6 +11,7 @@ from test_global_pool import model, weighted  # noqa: F401 (the tiny Llama and i
 from test_reliability_artifact import read, write
 
 import patchkv
+from patchkv.allocation import bit_allocation, step_scales_for
 from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError, InvalidArtifactError, PatchKVError
 from patchkv.quantize import GAUSSIAN_STEP
@@ -97,7 +98,7 @@ def test_quantized_codes_read_the_scales_of_their_budget(model, weighted):
     """Scale 1 is the Gaussian-matched quantizer exactly; scale s multiplies every step of that kind by s."""
     methods = [patchkv.SinksWindow(2, 4), patchkv.Quantized(32)]
     ids = calibration_ids(1, 30, seed=3)
-    key_bits, layer = weighted.bit_allocation(32)[0], 1
+    key_bits, layer = bit_allocation(weighted, 32)[0], 1
     logits = {}
     for name, artifact in (("none", weighted), ("one", with_step_scales(weighted, 1.0, 1.0, bits=32, pool="head")),
                            ("wide", with_step_scales(weighted, 2.0, 1.0, bits=32, pool="head"))):
@@ -123,12 +124,12 @@ def test_each_budget_reads_its_own_scales_the_nearest_of_its_pool_or_none(weight
     art = with_step_scales(art, 5.0, 7.0, bits=12, pool="global")
     art = with_step_scales(art, 1.5, 1.5, bits=32, pool="global")  # replaces the first set
     assert art.step_budgets == [(32, "global"), (12, "global")]
-    assert float(art.step_scales_for(32, "global")[0][0, 0]) == 1.5
-    assert float(art.step_scales_for(12, "global")[1][0, 0]) == 7.0
-    assert float(art.step_scales_for(14, "global")[0][0, 0]) == 5.0  # nearest: 12
-    assert float(art.step_scales_for(40, "global")[0][0, 0]) == 1.5  # nearest: 32
-    assert art.step_scales_for(32, "head") is None  # the other pool never
-    assert art.step_scales_for(64, "global") is None  # beyond the reach of any fit
+    assert float(step_scales_for(art, 32, "global")[0][0, 0]) == 1.5
+    assert float(step_scales_for(art, 12, "global")[1][0, 0]) == 7.0
+    assert float(step_scales_for(art, 14, "global")[0][0, 0]) == 5.0  # nearest: 12
+    assert float(step_scales_for(art, 40, "global")[0][0, 0]) == 1.5  # nearest: 32
+    assert step_scales_for(art, 32, "head") is None  # the other pool never
+    assert step_scales_for(art, 64, "global") is None  # beyond the reach of any fit
     for bits, pool, scale in ((32, "global", 1.5), (12, "global", 5.0), (32, "head", None)):
         codec = patchkv.Quantized(bits, pool=pool).codecs(art, [2, 2], torch.float32)[0][0]
         plain = patchkv.Quantized(bits, pool=pool).codecs(weighted, [2, 2], torch.float32)[0][0]

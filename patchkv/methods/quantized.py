@@ -2,7 +2,8 @@
 a uniform quantizer matched to a Gaussian of its variance, and codes are packed at a fixed rate (no per-token
 scales), so the cache holds a fixed number of bytes per token. An artifact with step scales
 (`patchkv.steps.fit_step_scales`) widens or narrows each head's quantizer range by the factor fitted for this
-budget, or the nearest of the same pool (`Artifact.step_scales_for`: typed fields of the artifact only).
+budget, or the nearest of the same pool (`patchkv.allocation.step_scales_for`: typed fields of the artifact
+only).
 
 Two allocations (`pool`):
 - "head": every KV head's keys and values get exactly `bits` bits per token, by dynamic programming on the
@@ -19,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..artifact import POOLS
+from ..allocation import POOLS, bit_allocation, step_scales_for
 from ..latent import Codec, LatentBasis
-from ..quantize import MAX_BITS, CoefficientQuantizer
+from ..quantize import CoefficientQuantizer
 from .base import CodecMethod, check_int
 
 
@@ -73,12 +74,10 @@ class Quantized(CodecMethod):
         return f"quantized:bits={self.bits}" + ("" if self.pool == "head" else f",pool={self.pool}")
 
     def codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
-        if self.bits > artifact.head_dim * MAX_BITS:
-            raise ValueError(f"quantized: bits must be <= {artifact.head_dim * MAX_BITS} (head_dim "
-                             f"{artifact.head_dim} x {MAX_BITS} bits), got {self.bits}.")
-        scales = artifact.step_scales_for(self.bits, self.pool)
+        allocation = bit_allocation(artifact, self.bits, self.pool)  # refuses a budget out of range
+        scales = step_scales_for(artifact, self.bits, self.pool)
         out = []
-        for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *artifact.bit_allocation(self.bits, self.pool))):
+        for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *allocation)):
             pair = []
             for kind, c, bits in ((0, artifact.keys, key_bits), (1, artifact.values, value_bits)):
                 ranks = [int((row > 0).nonzero().max()) + 1 if row.any() else 1 for row in bits]
