@@ -1,6 +1,6 @@
 """The patchkv artifact: calibrated PCA bases for one model, as safetensors plus JSON metadata.
 
-Format, versions 1 to 3
+Format, versions 1 to 4
 =======================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
 `H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
@@ -48,8 +48,9 @@ The safetensors header metadata carries one entry, `"patchkv"`, a JSON object wi
                      "dtype"}; `apply` refuses a model whose fields differ (name and
                      architecture class excepted)
     calibration     free-form JSON object: source, tokens, sequences, seq_len, sink_tokens,
-                    rank selection, the calibration dtype; information only, never read to
-                    decide how the cache works
+                    rank selection, the calibration dtype, the step-scale fits; information only,
+                    never read to decide how the cache works (a version 3 file's step-scale budget
+                    is the one exception: `load` reads it once, into `step_budgets`)
     step_budgets    version 4 only: [{"bits": int >= 1, "pool": "head" | "global"}, ...], the B
                     distinct budgets (`Quantized(bits, pool)`) the step scales were fitted for
     checksum        "sha256:<hex>" over every tensor (name, dtype, shape, bytes, in name

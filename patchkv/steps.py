@@ -10,8 +10,8 @@ times s > 1) costs resolution near zero and buys the tails back.
 log-likelihood of calibration text fed `chunk` tokens per forward through a `LatentCache` (so every token reads
 earlier ones as the cache holds them), with `SinksWindow(sink_tokens, window)` and `Quantized(bits, pool)`, by
 coordinate descent over `grid` (keys, then values, then keys again). The artifact stores a scale per layer
-and head (format version 3), so finer fits can be written in the same format; a per-head fit of attention
-output error alone was tried on SmolLM2 and lost to one scale per kind on held-out perplexity.
+and head, so finer fits can be written in the same format; a per-head fit of attention output error alone was
+tried on SmolLM2 and lost to one scale per kind on held-out perplexity.
 
 Scales are fitted per budget: the artifact keeps one set per `(bits, pool)` (`Artifact.step_budgets`, format
 version 4), and `Quantized(bits, pool)` reads the set fitted for its budget, or for the nearest of its pool
@@ -40,7 +40,7 @@ GRID = (1.0, 1.25, 1.5, 1.75)
 def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tensor, *, bits: int, pool: str = "head",
                     sink_tokens: int = 4, window: int = 32, chunk: int | None = None,
                     grid: tuple[float, ...] = GRID, passes: int = 3) -> Artifact:
-    """A copy of `artifact` with step scales (format version 3) fitted for `Quantized(bits, pool)` behind
+    """A copy of `artifact` with step scales (format version 4) fitted for `Quantized(bits, pool)` behind
     `SinksWindow(sink_tokens, window)` on `input_ids` `[batch, seq]` (unpadded calibration text, held out from
     what you evaluate on), fed `chunk` tokens per forward (default: half the window, at least 1). `model` is
     the unpatched model the artifact was calibrated for. The search is coordinate-wise over `grid`: the keys'

@@ -3,6 +3,7 @@ validated, read by `Quantized` for its own budget, fitted on the model's own los
 files (one set, its budget in the free-form summary) load as one budget or are refused."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -74,6 +75,13 @@ def test_version_3_loads_as_one_budget_and_junk_records_are_refused(tmp_path, fi
     (lambda t, m: m.update(step_budgets=[{"bits": "12", "pool": "global"}]), "bits must be an integer"),
     (lambda t, m: m.update(step_budgets=[{"bits": 12, "pool": "layer"}]), "pool must be one of"),
     (lambda t, m: m.update(step_budgets=[{"bits": 12, "pool": "head", "x": 1}]), "exactly the fields 'bits' and 'pool'"),
+    (lambda t, m: m.update(step_budgets=[{"bits": 0, "pool": "global"}]), "bits must be an integer in [1, "),
+    (lambda t, m: m.update(step_budgets=[{"bits": 10_000, "pool": "global"}]), "bits must be an integer in [1, "),
+    (lambda t, m: m.update(step_budgets=[{"bits": True, "pool": "global"}]), "bits must be an integer"),
+    (lambda t, m: m.update(step_budgets=[{"bits": 12.0, "pool": "global"}]), "bits must be an integer"),
+    (lambda t, m: m.update(step_budgets=["12/global"]), "exactly the fields 'bits' and 'pool'"),
+    (lambda t, m: m.update(step_budgets={"bits": 12, "pool": "global"}), "non-empty list"),
+    (lambda t, m: m.update(step_budgets=None), "non-empty list"),
 ])
 def test_bad_step_scales_are_refused(tmp_path, fitted, edit, fragment):
     tensors, meta = read(fitted.save(tmp_path / "a.safetensors"))
@@ -92,6 +100,34 @@ def test_step_scales_for_keys_only_or_without_budgets_are_refused(fitted):
     unbudgeted.step_budgets = None
     with pytest.raises(InvalidArtifactError, match="step scales come with step_budgets"):
         unbudgeted._validate()
+
+
+def test_budgets_are_validated_in_memory_too(weighted):
+    """An artifact built in memory gets the checks of `load`: step_budgets is a typed field, not a summary."""
+    parts = {kind: copy.deepcopy(getattr(weighted, kind)) for kind in ("keys", "values")}
+    for c in parts.values():
+        c.step_scales = torch.ones((1, *c.ranks.shape))
+    for budgets, fragment in (([(12, "layer")], "pool must be one of"), ([(0, "head")], "bits must be an integer"),
+                              ([(12, "head"), (12, "head")], "lists a budget twice"), ([], "non-empty list"),
+                              ([(12, "head"), (20, "head")], "has 1 budget(s), step_budgets lists 2")):
+        with pytest.raises(InvalidArtifactError, match=re.escape(fragment)):
+            Artifact(mode=weighted.mode, model=weighted.model, step_budgets=budgets, **parts)
+    with pytest.raises(InvalidArtifactError, match="bits must be an integer"):
+        with_step_scales(weighted, 1.0, 1.0, bits=-3, pool="head")
+
+
+def test_the_summary_never_changes_the_codes(weighted):
+    """Runtime reads typed fields only: a summary that names other step scales (the record a version 3 file kept)
+    or holds junk gives the same codes as an empty one."""
+    art = with_step_scales(weighted, 2.0, 3.0, bits=12, pool="global")
+    misleading = copy.copy(art)
+    misleading.calibration = {"step_scales": {"bits": 32, "pool": "head", "keys": 9.0, "values": 9.0},
+                              "step_scale_fits": "junk", "rank_selection": None}
+    for bits, pool in ((12, "global"), (32, "head")):
+        ours, theirs = (patchkv.Quantized(bits, pool=pool).codecs(a, [2, 2], torch.float32) for a in (art, misleading))
+        for pair, other in zip(ours, theirs):
+            for codec, same in zip(pair, other):
+                assert torch.equal(codec.quantizer.step, same.quantizer.step)
 
 
 def test_quantized_codes_read_the_scales_of_their_budget(model, weighted):
