@@ -36,5 +36,10 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONST
 # torch first: its CPU wheel must be in place before anything pulls a default (CUDA) build
 "${PIP[@]}" "torch==$TORCH"
 "${PIP[@]}" "kvpress==$KVPRESS" "transformers==$TRANSFORMERS"
-"$VENV/bin/python" -c 'import sys, torch, transformers, kvpress; from importlib.metadata import version
-print(f"setup_peers: {sys.prefix}: kvpress {version(\"kvpress\")}, transformers {transformers.__version__}, torch {torch.__version__}")'
+"$VENV/bin/python" - <<'EOF'
+import sys
+from importlib.metadata import version
+import kvpress, torch, transformers  # noqa: F401  (importing them is the check)
+print(f"setup_peers: {sys.prefix}: kvpress {version('kvpress')}, transformers {transformers.__version__}, "
+      f"torch {torch.__version__}")
+EOF
