@@ -15,6 +15,9 @@ adapter, and these changes:
 5. if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
    and attends exactly over sinks, those and the window;
 6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
+
+Effect-weight calibration (`patchkv.fisher`) runs this same path (`attention_forward`) over a layer of its own that
+serves every token exact and perturbed, with a mask choosing per query and key, in float32.
 """
 
 from __future__ import annotations
@@ -51,15 +54,37 @@ class LatentForward:
 def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
                              position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
                              cache: Cache | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or None)."""
+    """hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or None): the patched
+    module's forward, over its layer of the `LatentCache` (`attention_forward`)."""
     lp: LayerPatch = attn.patchkv
     lp.patch.compute_in(lp.patch.adapter.dtype(attn))  # the model may have moved to another dtype since apply
     lp = lp.on(hidden_states.device)
+    out = attention_forward(attn, lp, _layer(cache, lp), hidden_states, position_embeddings, attention_mask, **kwargs)
+    if isinstance(cache, LatentCache):
+        cache.done(lp.layer_idx)
+    return out
+
+
+def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidden_states: torch.Tensor,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None, *,
+                      compute_dtype: torch.dtype | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one attention path: hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or
+    None). q, k, v by the adapter, put in cache space by the mode; `layer` takes the new keys and values and gives
+    what this step reads (`update_latent` -> `Visible`), attention runs over it (`decode_attention`, or the model's
+    own attention function over dense operands), then `layer.after_attention()`.
+
+    layer: the `LatentLayer` of the cache, or any object with `update_latent`, `after_attention` and
+        `get_seq_length`: effect-weight calibration reads its own (`patchkv.fisher.FisherProbe`: every token exact
+        and perturbed, the mask choosing per query and key).
+    compute_dtype: q, k, v and cos/sin cast to this dtype before attention, the output cast back to the model's
+        (effect-weight calibration takes its gradients in float32); None: attention in the model's dtype."""
     adapter, mode = lp.patch.adapter, lp.patch.mode
     q, k, v = adapter.project_qkv(attn, hidden_states)
-    batch, _, seq, _ = q.shape
     cos, sin = position_embeddings
-    layer = _layer(cache, lp)
+    model_dtype = q.dtype
+    if compute_dtype is not None:
+        q, k, v, cos, sin = (x.to(compute_dtype) for x in (q, k, v, cos, sin))
+    batch, _, seq, _ = q.shape
     positions = kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=q.device).unsqueeze(0) + layer.get_seq_length()
@@ -83,9 +108,8 @@ def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
                 attn, queries, keys, values, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                 scaling=scaling, **{**kwargs, **adapter.attention_kwargs(attn)})
     layer.after_attention()
-    if isinstance(cache, LatentCache):
-        cache.done(lp.layer_idx)
-    return adapter.output(attn, out.reshape(batch, seq, -1).contiguous()), weights
+    out = out.reshape(batch, seq, -1).to(model_dtype).contiguous()
+    return adapter.output(attn, out), weights
 
 
 def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:

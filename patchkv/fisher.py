@@ -8,15 +8,16 @@ variances lambda_j, an error of relative size D on component j costs lambda_j * 
 weight w_j = u_j^T F u_j puts every component of every layer, head, key and value in the same unit (nats),
 so one bit pool can be shared by all of them (`patchkv.allocation.allocate_to_bytes`).
 
-`FisherCapture` measures F during calibration. While it is active each attention module runs the model's own
-attention function (the one the patched model runs), in float32, over its keys and values twice, `[exact |
-perturbed]`: the perturbed copy carries a zero perturbation `delta` (requiring grad), and a mask lets each query
-read each key from the copy its pair is served from: pairs (query i, key j) where j is one of the row's first
-`sink_tokens` real tokens or j is within the `window` most recent tokens of i (i - j < window) read exact keys
-and values, as the `SinksWindow` method serves them at inference. One backward pass of the summed next-token loss per row
-gives d loss / d delta = the gradient through the compressed path only; its outer products, summed in
-float64 over the non-sink tokens, are F. In `pre_rope` mode the perturbation is added before the rotary
-embedding (the cache holds un-rotated keys), in `post_rope` mode after.
+`FisherCapture` measures F during calibration. While it is active each attention module runs the library's
+own attention path (`patchkv.attention.attention_forward`, the one the patched model runs: the adapter's projections,
+the mode, the model's own attention function) in float32, over a layer of its own (`FisherProbe`) that holds every
+token twice, `[exact | perturbed]`: the perturbed copy carries a zero perturbation `delta` (requiring grad) added in
+cache space, and a mask lets each query read each key from the copy its pair is served from: pairs (query i, key j)
+where j is one of the row's first `sink_tokens` real tokens or j is within the `window` most recent tokens of i
+(i - j < window) read exact keys and values, as the `SinksWindow` method serves them at inference. One backward pass
+of the summed next-token loss per row gives d loss / d delta = the gradient through the compressed path only; its
+outer products, summed in float64 over the non-sink tokens, are F. In `pre_rope` mode the perturbation is added
+before the rotary embedding (the cache holds un-rotated keys), in `post_rope` mode after.
 """
 
 from __future__ import annotations
@@ -28,7 +29,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import AttentionAdapter
+from .attention import attention_forward
 from .compat import accelerate_hook
+from .context import LayerPatch, Patch
+from .methods import build_plan
+from .modes import MODES, Visible
+from .rope import RopeTable
+
+
+class FisherProbe:
+    """The layer the attention path reads while `FisherCapture` measures a row (`attention_forward`'s `layer`):
+    every token twice, exact (where attention reads sinks) and perturbed (where it reads the recent window); there
+    is no latent middle. `deltas`: the zero perturbations of the last forward, float32 `[1, kv_heads, seq, head_dim]`
+    keys and values, in cache space."""
+
+    def __init__(self) -> None:
+        self.deltas: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def update_latent(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Visible:
+        """keys, values `[1, kv_heads, seq, head_dim]` in cache space, positions `[1, seq]` -> `[exact | perturbed]`."""
+        dk, dv = torch.zeros_like(keys, requires_grad=True), torch.zeros_like(values, requires_grad=True)
+        self.deltas = dk, dv
+        no_middle = keys.new_zeros(keys.shape[0], 0, 0)
+        return Visible(keys, values, keys + dk, values + dv, no_middle, no_middle, positions, positions[:, :0],
+                       positions)
+
+    def after_attention(self) -> None:
+        pass
 
 
 class FisherForward:
@@ -36,17 +66,21 @@ class FisherForward:
 
     Without an active row it calls the module's own forward."""
 
-    def __init__(self, capture: FisherCapture, attn: nn.Module, original: Any):
-        self.capture, self.attn, self.original = capture, attn, original
+    def __init__(self, capture: FisherCapture, attn: nn.Module, lp: LayerPatch, original: Any):
+        self.capture, self.attn, self.lp, self.original = capture, attn, lp, original
 
     def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.capture.row is None:
             return self.original(hidden_states, position_embeddings, attention_mask, **kwargs)
         hook = accelerate_hook(self.attn)  # accelerate: load offloaded weights around the forward
         if hook is not None:
             (hidden_states, position_embeddings), _ = hook.pre_forward(self.attn, hidden_states, position_embeddings)
-        out = self.capture.attend(self.attn, hidden_states, position_embeddings)
+        kwargs.pop("past_key_values", None)  # use_cache=False: the probe is this forward's only layer
+        probe = FisherProbe()
+        out = attention_forward(self.attn, self.lp, probe, hidden_states, position_embeddings,
+                                self.capture.mask(self.attn), compute_dtype=torch.float32, **kwargs)
+        self.capture.row["deltas"][self.attn.layer_idx] = probe.deltas
         return hook.post_forward(self.attn, out) if hook is not None else out
 
 
@@ -61,20 +95,26 @@ class FisherCapture:
     def __init__(self, model: nn.Module, adapter: AttentionAdapter, modules: list[nn.Module], *, mode: str,
                  sink_tokens: int, window: int):
         self.model, self.adapter, self.modules = model, adapter, modules
-        self.pre_rope = mode == "pre_rope"
         self.sink_tokens, self.window = sink_tokens, window
         heads, dim = adapter.num_kv_heads(modules[0]), adapter.head_dim(modules[0])
         self.keys = torch.zeros(len(modules), heads, dim, dim, dtype=torch.float64)
         self.values = torch.zeros_like(self.keys)
         self.count = 0
-        self.row: dict[str, torch.Tensor] | None = None  # the row being measured: masks and perturbations
+        self.row: dict[str, Any] | None = None  # the row being measured: masks and perturbations
         self._restore: list[tuple[nn.Module, Any]] = []
+        # what the attention path reads of a patch: adapter, mode, rotary tables (no codecs: the probe has no middle)
+        patch = Patch(adapter, MODES[mode], build_plan([]), None, "fisher", [adapter.sliding_window(m) for m in modules])
+        rotary, tables = adapter.rotary_embedding(model), {}
+        self.layers = [LayerPatch(patch, attn.layer_idx, None, None,
+                                  tables.setdefault(adapter.rope_key(attn), RopeTable(adapter, rotary, attn)))
+                       for attn in modules]
 
     def __enter__(self) -> FisherCapture:
-        for attn in self.modules:
+        for attn, lp in zip(self.modules, self.layers):
             previous = vars(attn).get("forward")
             self._restore.append((attn, previous))
-            attn.forward = FisherForward(self, attn, previous if previous is not None else type(attn).forward.__get__(attn))
+            attn.forward = FisherForward(self, attn, lp,
+                                         previous if previous is not None else type(attn).forward.__get__(attn))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -84,6 +124,17 @@ class FisherCapture:
             else:
                 attn.forward = previous
         self._restore.clear()
+
+    def mask(self, attn: nn.Module) -> torch.Tensor:
+        """The current row's additive float32 mask `[1, 1, seq, 2 seq]` over `[exact | perturbed]`: each query reads
+        each visible key from the copy its pair is served from (a sliding layer sees its last `window` keys only)."""
+        allowed, exact = self.row["allowed"], self.row["exact"]
+        window = self.adapter.sliding_window(attn)
+        if window is not None:
+            allowed = allowed & (self.row["offset"] < window)
+        keep = torch.cat([allowed & exact, allowed & ~exact], dim=-1)  # [seq, 2 seq]
+        return torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill(
+            ~keep, torch.finfo(torch.float32).min)[None, None]
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
              counted: torch.Tensor, device: torch.device) -> float:
@@ -120,32 +171,6 @@ class FisherCapture:
                 store[layer] += (g.mT @ g).cpu()
         self.count += int(keep.sum())
         return loss.item()
-
-    def attend(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-               ) -> tuple[torch.Tensor, None]:
-        """hidden `[1, seq, hidden]` -> `[1, seq, hidden]`, attention in float32 by the model's own attention function
-        over the keys and values twice, `[exact | perturbed]` (`[1, kv_heads, 2 seq, head_dim]`), with a mask that
-        lets each query read each key from the half its pair is served from."""
-        adapter, row = self.adapter, self.row
-        q, k, v = (x.float() for x in adapter.project_qkv(attn, hidden_states))   # [1, heads, seq, head_dim]
-        cos, sin = (x.float() for x in position_embeddings)
-        dk, dv = torch.zeros_like(k, requires_grad=True), torch.zeros_like(v, requires_grad=True)
-        row["deltas"][attn.layer_idx] = (dk, dv)
-        q, exact_k = adapter.rotate(q, cos, sin), adapter.rotate(k, cos, sin)
-        compressed_k = adapter.rotate(k + dk, cos, sin) if self.pre_rope else exact_k + dk
-        kwargs = adapter.attention_kwargs(attn)
-        allowed, exact = row["allowed"], row["exact"]
-        window = kwargs.get("sliding_window")
-        if window is not None:  # a sliding layer attends to its last `window` keys only
-            allowed = allowed & (row["offset"] < window)
-        keep = torch.cat([allowed & exact, allowed & ~exact], dim=-1)  # [seq, 2 seq]
-        mask = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill(
-            ~keep, torch.finfo(torch.float32).min)[None, None]
-        out, _ = adapter.attention_function(attn)(
-            attn, q, torch.cat([exact_k, compressed_k], dim=2), torch.cat([v, v + dv], dim=2), mask, dropout=0.0,
-            scaling=adapter.scaling(attn), **kwargs)
-        out = out.reshape(*hidden_states.shape[:-1], -1).to(hidden_states.dtype)
-        return adapter.output(attn, out), None
 
 
 def effect_weights(fisher: torch.Tensor, eigenvectors: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import patchkv
+import patchkv.fisher
 from patchkv.adapters import adapter_for, attention_modules
 from patchkv.fisher import FisherCapture, effect_weights
 
@@ -74,6 +75,23 @@ def test_fisher_equals_the_gradients_of_the_models_own_loss(family, mode):
     for got, want in ((fisher.keys, ref_k), (fisher.values, ref_v)):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * want.abs().max())
     assert all("forward" not in vars(m) for m in modules)  # the model's own forwards are back
+
+
+def test_fisher_reads_through_the_librarys_attention_path(monkeypatch):
+    """Every layer of a measured row runs `patchkv.attention.attention_forward` (no attention of its own), in float32
+    over `[exact | perturbed]` keys and values."""
+    model = make_model("llama")
+    adapter = adapter_for(model)
+    modules = attention_modules(model, adapter)
+    calls = []
+    path = patchkv.fisher.attention_forward
+    monkeypatch.setattr(patchkv.fisher, "attention_forward", lambda attn, lp, layer, *a, **kw: calls.append(
+        (attn.layer_idx, kw["compute_dtype"])) or path(attn, lp, layer, *a, **kw))
+    ids, mask = calibration_ids(1, SEQ), torch.ones(1, SEQ, dtype=torch.long)
+    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=2, window=4) as fisher:
+        fisher.step(ids, mask, torch.arange(SEQ).unsqueeze(0), mask.bool(), torch.device("cpu"))
+    assert calls == [(i, torch.float32) for i in range(len(modules))]
+    assert path is patchkv.attention.attention_forward
 
 
 def test_exact_pairs_carry_no_gradient():
