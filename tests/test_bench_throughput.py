@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["path", "method", "context", "tokens", "seconds", "ratio_to_unpatched", "ratio_to_quantizedcache"]
 
 
-def test_bench_throughput_smoke(tmp_path):
+@pytest.mark.parametrize("rounds", [pytest.param(1, id="short"), pytest.param(2, id="full", marks=pytest.mark.slow)])
+def test_bench_throughput_smoke(tmp_path, rounds):
     assert (ROOT / ".models" / "SmolLM2-135M-Instruct").is_dir(), "run `bash scripts/setup.sh` first"
     run = [sys.executable, str(ROOT / "evals" / "bench_throughput.py"), "--context", "512", "--decode-contexts", "576",
            "--forward-methods", "unpatched,quanto-int4,8x", "--decode-methods", "unpatched,unpatched-eager,8x",
-           "--calib-tokens", "512", "--rounds", "2", "--out", str(tmp_path), "--name", "tp"]
+           "--calib-tokens", "512", "--rounds", str(rounds), "--out", str(tmp_path), "--name", "tp"]
     result = subprocess.run(run, capture_output=True, text=True, timeout=900, cwd=ROOT / "evals")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     with open(tmp_path / "tp.csv", newline="") as f:

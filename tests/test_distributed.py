@@ -132,12 +132,14 @@ def _torchrun_env():
     return env | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_cli_under_torchrun(tmp_path):
+@pytest.mark.parametrize("tokens", [pytest.param(500, id="short"),
+                                    pytest.param(1500, id="full", marks=pytest.mark.slow)])
+def test_cli_under_torchrun(tmp_path, tokens):
     """`torchrun --nproc-per-node 2 -m patchkv calibrate ...`: rank 0 writes the artifact, equal to one process's."""
     lines = (ROOT / "patchkv" / "tasks" / "data" / "shakespeare_heldout.jsonl").read_text().splitlines()[:40]
     (tmp_path / "data.txt").write_text("\n".join(json.loads(line)["text"] for line in lines))
     args = ["calibrate", "--model", str(REF), "--data", str(tmp_path / "data.txt"), "--rank", "8",
-            "--seq-len", "64", "--max-tokens", "1500", "--sink-tokens", "2"]
+            "--seq-len", "64", "--max-tokens", str(tokens), "--sink-tokens", "2"]
     torchrun = Path(sys.executable).parent / "torchrun"
     run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "patchkv", *args,
                           "--out", str(tmp_path / "dist")], env=_torchrun_env(), cwd=tmp_path,
@@ -148,7 +150,7 @@ def test_cli_under_torchrun(tmp_path):
                             env=_torchrun_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stdout + single.stderr
     a, b = (patchkv.Artifact.load(next((tmp_path / d).glob("*.safetensors"))) for d in ("dist", "one"))
-    assert a.calibration == b.calibration and a.calibration["tokens"] == 1500
+    assert a.calibration == b.calibration and a.calibration["tokens"] == tokens
     for kind in ("keys", "values"):
         x, y = getattr(a, kind), getattr(b, kind)
         assert torch.allclose(x.eigenvalues, y.eigenvalues, rtol=0, atol=1e-12)

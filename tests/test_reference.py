@@ -56,9 +56,11 @@ def test_reference_model_is_trained_and_loads_offline(reference):
     assert text.startswith("HAMLET.") and len(text) > len("HAMLET.") + 10
 
 
-def test_shipped_artifacts_fit_the_reference_model(reference):
+@pytest.mark.parametrize("n, seq", [pytest.param(4, 128, id="short"),
+                                    pytest.param(4, 256, id="full", marks=pytest.mark.slow)])
+def test_shipped_artifacts_fit_the_reference_model(reference, n, seq):
     model, tokenizer = reference
-    windows = held_out_windows(tokenizer, n=4)
+    windows = held_out_windows(tokenizer, n=n, seq=seq)
     base = token_perplexity(model, windows)
     arts = {mode: patchkv.Artifact.load(BASES / f"{mode}.safetensors") for mode in ("pre_rope", "post_rope")}
     for mode, art in arts.items():
@@ -82,11 +84,14 @@ def test_calibrate_cli_on_corpus(tmp_path):
     assert art.calibration["rank_selection"] == {"rank": None, "energy": 0.9}
 
 
-def test_eval_cli_short_sweep_through_lm_eval(tmp_path, capsys):
+@pytest.mark.parametrize("tasks, limit", [
+    pytest.param("patchkv_shakespeare_ppl", "1", id="short"),
+    pytest.param("patchkv_shakespeare_ppl,patchkv_shakespeare_cloze", "3", id="full", marks=pytest.mark.slow)])
+def test_eval_cli_short_sweep_through_lm_eval(tmp_path, capsys, tasks, limit):
     head_dim = 64
     cli(["eval", "--model", str(REF), "--artifact", str(BASES / "pre_rope.safetensors"),
          "--artifact", str(BASES / "post_rope.safetensors"), "--sweep", "--ranks", f"8,{head_dim}",
-         "--tasks", "patchkv_shakespeare_ppl,patchkv_shakespeare_cloze", "--limit", "3", "--chunk", "8",
+         "--tasks", tasks, "--limit", limit, "--chunk", "8",
          "--out", str(tmp_path), "--name", "sweep"])  # 8 tokens per forward: later ones read the latents
     printed = capsys.readouterr().out
     assert "| unpatched |" in printed and "pre_rope rank=8" in printed and "post_rope rank=64" in printed

@@ -6,10 +6,14 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path):
+@pytest.mark.parametrize("run_eval", [pytest.param(False, id="short"),
+                                      pytest.param(True, id="full", marks=pytest.mark.slow)])
+def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path, run_eval):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "dist")], check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("patchkv-*.whl"))
@@ -27,6 +31,8 @@ def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path):
                             "print(e.TASKS_DIR); print(k.__file__)"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, check=True).stdout.split()
     assert all(path.startswith(str(site)) for path in where)
+    if not run_eval:  # short: the wheel's contents and where it imports from; full: `patchkv eval` from it
+        return
     run = subprocess.run([sys.executable, "-m", "patchkv", "eval", "--model", str(ROOT / "artifacts/reference-llama"),
                           "--artifact", str(ROOT / "artifacts/reference-llama-bases/pre_rope.safetensors"),
                           "--tasks", "patchkv_shakespeare_ppl", "--limit", "1", "--chunk", "32"],
