@@ -34,6 +34,7 @@ gets a `PatchKVError` (from `update`), never a silent mix of full and latent sta
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -286,7 +287,9 @@ class LatentLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.tensors, self.buffers, self.cumulative_length, self.is_initialized = {}, {}, 0, False
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Assisted generation's hook (transformers >= 5.25 passes `recurrent_states_to_keep`, meaningless for an
+        attention cache, which keeps every token until `crop`)."""
         self.record_past = True
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

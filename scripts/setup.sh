@@ -35,13 +35,12 @@ if [ "$TRANSFORMERS" = latest ]; then
   echo "setup: newest transformers in \"$SPEC\": $NEWEST"
   "${PIP[@]}" "transformers==$NEWEST"
 fi
-"$VENV/bin/python" -P -c 'import transformers, sys; print(f"setup: {sys.prefix}: transformers {transformers.__version__}")'
-# the C++ CPU kernels (kernels/latent_cpu.cpp), built once for this machine and cached (about a minute); -P keeps
-# the repository root off sys.path, where its kernels/ folder would shadow the `kernels` package transformers imports
-"$VENV/bin/python" -P -c "from patchkv.kernels import cpu; cpu.build()"
+"$VENV/bin/python" -c 'import transformers, sys; print(f"setup: {sys.prefix}: transformers {transformers.__version__}")'
+# the C++ CPU kernels (kernels/latent_cpu.cpp), built once for this machine and cached (about a minute)
+"$VENV/bin/python" -c "from patchkv.kernels import cpu; cpu.build()"
 # optimum-quanto's C++ extension (QuantizedCache(backend="quanto")), which it otherwise compiles on first use, in a
 # test (about three minutes on 2 cores); built into the venv, once per torch version
-"$VENV/bin/python" -P -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
+"$VENV/bin/python" -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 # lm-eval's RULER tasks that build offline (niah_single_1, niah_multikey_2/3, ruler_vt/cwe/fwe) need these
 # (nltk's punkt_tab is only used by the essay haystacks, which download from the web and cannot run offline)
 "${PIP[@]}" "nltk==3.10.4" "wonderwords==3.0.1" "scipy==1.17.1"

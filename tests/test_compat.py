@@ -78,7 +78,7 @@ def test_nothing_else_reads_these_private_names():
     offenders = []
     for folder in ("patchkv", "adapters", "kernels"):
         for path in (root / folder).rglob("*.py"):
-            if path.name == "compat.py":
+            if path.name == "compat.py" or path == root / "kernels" / "__init__.py":  # its top-level-name hand-over
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if any(p in line for p in private):
