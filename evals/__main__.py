@@ -117,7 +117,7 @@ def peers(args: argparse.Namespace) -> None:
     """Score evals/peers' answers with the same task scorer and add them as sample records."""
     from .tasks import ruler_score
 
-    stamp = {"machine": machine(), "dtype": "bfloat16"}
+    stamp, here = {"machine": machine()}, commit()
     by_file: dict[Path, set] = {}
     for line in Path(args.predictions).read_text().splitlines():
         p = json.loads(line)
@@ -131,8 +131,9 @@ def peers(args: argparse.Namespace) -> None:
         append_record(path, {"config": p["method"], "task": task.name, "context": p["context_length"],
                              "index": p["index"], "score": ruler_score(sample, p["prediction"]),
                              "count": 1, "kv_bytes_per_token": p["kv_bytes_per_token"], "seconds": p["seconds"],
-                             "prediction": p["prediction"], "commit": p.get("commit", "unknown"),
-                             "command": p.get("command", args.predictions), **stamp, "threads": p.get("threads"),
+                             "prediction": p["prediction"], "commit": p.get("commit") or here,
+                             "dtype": p.get("dtype", "bfloat16"), "command": p.get("command") or f"evals/peers/kvpress_ruler.py --out {args.predictions} "
+                             f"(.venv-peers), scored by {command()}", **stamp, "threads": p.get("threads", 1),
                              "date": p.get("date", "")})
     write_summary(args.results)
 
@@ -216,6 +217,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> Path:
+    """Score vs KV bytes per token, one panel per task x context, one curve per method family (patchkv's
+    budgets joined by a line; each kvpress press its own curve over its ratios), 95% intervals as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["task"], int(r["context"])) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (task, context) in zip(axes[0], panels):
+        here = [r for r in rows if r["task"] == task and int(r["context"]) == context]
+        for fam in dict.fromkeys(r["family"] for r in here):
+            pts = sorted((float(r["kv_bytes_per_token"]), float(r["score"]), float(r["ci95"]), r["method"])
+                         for r in here if r["family"] == fam)
+            xs, ys, es, names = zip(*pts)
+            ax.errorbar(xs, ys, yerr=[0 if math.isnan(e) else e for e in es], marker="o", capsize=3,
+                        linestyle="-" if len(pts) > 1 else "none", label=fam)
+            for x, y, name in zip(xs, ys, names):
+                ax.annotate(name.removeprefix("kvpress "), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("KV bytes per token (log)")
+        ax.set_ylabel("perplexity" if task.startswith("ppl") else "score (0-100)")
+        ax.set_title(f"{task} @ {context} (n = {min(int(r['samples']) for r in here)}+)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS,
@@ -231,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p = sub.add_parser("peers", help="score evals/peers' kvpress answers into the same records")
     p.add_argument("--predictions", required=True)
-    sub.add_parser("table", help="the summary CSV as a markdown table")
+    sub.add_parser("table", help="rebuild the summary CSV from the records, print it as a markdown table, plot it")
     args = parser.parse_args(argv)
     if args.command == "list":
         for c in CONFIGS.values():
@@ -243,8 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "peers":
         peers(args)
     else:
-        with open(args.results / "smollm2_accuracy.csv", newline="") as f:
-            print(table(list(csv.DictReader(f))))
+        rows = write_summary(args.results)
+        print(table(rows))
+        print(f"wrote {plot(rows, args.results / 'smollm2_accuracy.png')}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """A short check on the real reference model, SmolLM2-135M-Instruct (setup converts it into .models/).
 
-The full benchmark is evals/bench_smollm2.py; CI runs this short version of it: one 1024-token perplexity
-window and a few RULER samples at 1k, patched with the shipped bases vs unpatched.
+The full benchmark is the suite's runner (`python -m evals run ...`, results in evals/results/smollm2_accuracy.csv);
+CI runs this short version of it: one 1024-token perplexity window, and the runner itself on 3 RULER samples at
+1k, patched with the shipped bases vs unpatched; its summary and table from hand-written records.
 """
 
+import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import patchkv
+from patchkv.perplexity import token_perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
@@ -26,55 +31,74 @@ def smollm2():
     return AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval(), tokenizer
 
 
-def evals_module(name: str):
-    """A script of evals/ as a module: the checks below run the benchmarks' own code."""
-    import importlib.util
+def evals(*args: str, timeout: int = 900) -> str:
+    """`python -m evals ARGS` from the repository root; its stdout."""
+    result = subprocess.run([sys.executable, "-m", "evals", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stdout
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "evals" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def summary(results: Path) -> dict[tuple[str, str], dict]:
+    with open(results / "smollm2_accuracy.csv", newline="") as f:
+        return {(r["method"], r["task"]): r for r in csv.DictReader(f)}
 
 
 def test_shipped_bases_on_one_perplexity_window(smollm2):
     model, tokenizer = smollm2
-    window_ppl = evals_module("smollm2_window").window_ppl  # the quick check's own code
     doc = json.loads((ROOT / "patchkv/tasks/data/prose_4k.jsonl").read_text().splitlines()[0])["text"]
     ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(doc, add_special_tokens=False)["input_ids"][:1023]]])
-    base = window_ppl(model, ids, 32)
+    base = token_perplexity(model, ids, 32)
     pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
     assert pre.calibration["sink_tokens"] == 4 and pre.model["model_type"] == "llama"
     with patchkv.patched(model, pre.with_ranks(rank=64)):  # full rank: only bf16 rounding
-        assert window_ppl(model, ids, 32) == pytest.approx(base, rel=0.01)
-    assert pre.has_effect_weights and pre.has_step_scales and pre.calibration["step_scales"]["bits"] == 119
+        assert token_perplexity(model, ids, 32) == pytest.approx(base, rel=0.01)
+    assert pre.has_effect_weights and pre.has_step_scales
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):  # 4x
-        compressed = window_ppl(model, ids, 32)
+        compressed = token_perplexity(model, ids, 32)
     assert compressed != base and abs(compressed / base - 1) < 0.06  # 4x: the 4k benchmark measures -0.0% on prose
 
 
-def test_ruler_niah_at_1k_patched_and_unpatched(smollm2):
-    """RULER through the benchmark's own runner: each prompt prefilled 64 tokens per forward into the cache,
-    so the question reads the compressed haystack, then generate() continues from that cache."""
-    bench = evals_module("bench_smollm2")
-    model, tokenizer = smollm2
-    tasks = bench.ruler_tasks(["niah_single_1"], [1024])
-    key = ("niah_single_1", 1024)
-    assert bench.ruler(model, tokenizer, tasks, 3, 64, None)[key] >= 200 / 3  # unpatched SmolLM2 finds the needle
-    pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
-    with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):
-        assert bench.ruler(model, tokenizer, tasks, 3, 64, None)[key] >= 200 / 3
+def test_runner_on_ruler_niah_at_1k(tmp_path):
+    """The suite's runner on lm-eval's niah_single_1 at 1k, 3 samples: the unpatched model finds the needle and so
+    does 4x through the compressed cache; a second call resumes (nothing rerun); the CSV has its columns."""
+    args = ("--results", str(tmp_path), "run", "--configs", "unpatched,4x", "--tasks", "ruler_niah_single_1",
+            "--context", "1024", "--samples", "3")
+    out = evals(*args)
+    assert out.count("ruler_niah_single_1@1024 #") == 6
+    records = [json.loads(line) for line in (tmp_path / "samples" / "ruler_niah_single_1@1024.jsonl").read_text()
+               .splitlines()]
+    assert sorted((r["config"], r["index"]) for r in records) == [(c, i) for c in ("4x", "unpatched") for i in range(3)]
+    assert all(len(r["commit"]) >= 7 and r["command"].startswith("python -m evals") for r in records)
+    got = summary(tmp_path)
+    unpatched, patched = got[("unpatched", "ruler_niah_single_1")], got[("4x", "ruler_niah_single_1")]
+    assert float(unpatched["score"]) >= 200 / 3 and float(patched["score"]) >= 200 / 3
+    assert unpatched["samples"] == patched["samples"] == "3"
+    assert float(patched["compression_vs_bf16"]) > 3  # 4x at 1k: the exact sinks and window weigh more
+    assert float(unpatched["compression_vs_bf16"]) == 1.0
+    assert evals(*args).count("ruler_niah_single_1@1024 #") == 0  # resumed: every sample was already there
 
 
-def test_benchmark_table_reads_the_csv_rows():
-    """The README's headline table is printed from the CSV by the benchmark (`--table`): every method once,
-    perplexity with its change against unpatched, RULER per task and length."""
-    rows = [{"method": m, "kv_bytes_per_token": b, "compression_vs_bf16": c, "task": t, "context": n,
-             "score": s, "unpatched_score": u}
-            for m, b, c, t, n, s, u in [
-                ("unpatched", "23040", "1.0", "ppl_prose", "4096", "10.0", "10.0"),
-                ("unpatched", "23040", "1.0", "ruler_niah_single_1", "2048", "100.0", "100.0"),
-                ("x 8x (sinks:sink_tokens=4)", "2880", "8.0", "ppl_prose", "4096", "10.5", "10.0"),
-                ("x 8x (sinks:sink_tokens=4)", "2880", "8.0", "ruler_niah_single_1", "2048", "50.0", "100.0")]]
-    lines = evals_module("bench_smollm2").table(rows).splitlines()
-    assert lines[0].endswith("| Milton ppl | niah_single_1 2k |") and len(lines) == 4
-    assert lines[3] == "| x 8x | 2880 | 8.00x | 10.50 (+5.0%) | — | — | 50 |"
+def test_summary_and_table_from_records(tmp_path):
+    """Scores, Wilson intervals, the unpatched score over the same samples and the table, from hand-written
+    records (no model)."""
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    rows = [("unpatched", i, 1.0, 23040) for i in range(4)] + [("8x", i, float(i % 2), 2880) for i in range(2)]
+    rows += [("unpatched", i, 0.0 if i < 2 else 1.0, 23040) for i in range(2)]  # newer records of samples 0, 1 win
+    samples.joinpath("ruler_niah_single_1@4096.jsonl").write_text("".join(
+        json.dumps({"config": c, "task": "ruler_niah_single_1", "context": 4096, "index": i, "score": s, "count": 1,
+                    "kv_bytes_per_token": b, "seconds": 1.0, "prediction": "", "commit": "abcdef0123",
+                    "command": "python -m evals run"}) + "\n" for c, i, s, b in rows))
+    table = evals("--results", str(tmp_path), "table")
+    got = summary(tmp_path)
+    base, coded = got[("unpatched", "ruler_niah_single_1")], got[("8x", "ruler_niah_single_1")]
+    assert (base["samples"], float(base["score"])) == ("4", 50.0)
+    assert (coded["samples"], float(coded["score"])) == ("2", 50.0)
+    assert float(coded["unpatched_score"]) == 0.0  # unpatched over the 8x row's samples 0 and 1 only
+    assert float(coded["compression_vs_bf16"]) == 8.0 and coded["commit"] == "abcdef0"
+    assert 30 < float(coded["ci95"]) < 50 and float(base["ci95"]) < float(coded["ci95"])  # Wilson, n = 4 vs 2
+    lines = table.strip().splitlines()
+    assert lines[0] == "| method | KV bytes/token | vs bf16 | niah_single_1 4k |" and len(lines) == 5
+    assert lines[3].startswith("| 8x | 2880 | 8.00x | 50.00 ±") and lines[3].endswith(" (n=2) |")
+    assert lines[4].startswith("wrote ") and (tmp_path / "smollm2_accuracy.png").stat().st_size > 0
