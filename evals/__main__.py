@@ -4,6 +4,8 @@
     python -m evals run --configs unpatched,8x,16x --tasks ruler_niah_single_1 --context 4096 --samples 100
     python -m evals peers --predictions .cache/ruler/kvpress.jsonl   # score kvpress's answers (evals/peers)
     python -m evals table                                      # the README's accuracy table, from the CSV
+    python -m evals throughput --out evals/results             # speed, every path side by side (bench_throughput.py)
+    python -m evals profile --out evals/results                # where the time goes, per stage (profile_paths.py)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -248,12 +250,23 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths"}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in BENCHMARKS:  # their own options, parsed by their own main
+        import importlib
+
+        importlib.import_module(f".{BENCHMARKS[argv[0]]}", __package__).main(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="python -m evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="folder of samples/ records and the summary CSV (default evals/results)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the configurations and tasks")
+    for name, module in BENCHMARKS.items():
+        sub.add_parser(name, help=f"evals/{module}.py's benchmark (its own options: python -m evals {name} -h)")
     r = sub.add_parser("run", help="score configurations on tasks, resumable")
     r.add_argument("--configs", default="unpatched,quanto-int4,4x,8x,16x")
     r.add_argument("--tasks", default="ruler_niah_single_1")

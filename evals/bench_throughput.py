@@ -1,7 +1,7 @@
 """Throughput of every path, every method side by side in one run (results in evals/results/throughput.csv / .png).
 
-    .venv/bin/python evals/bench_throughput.py --out evals/results                  # about 25 minutes on 2 cores
-    .venv/bin/python evals/bench_throughput.py --table --out evals/results          # the README's table, from the CSV
+    .venv/bin/python -m evals throughput --out evals/results         # about 25 minutes on 2 cores
+    .venv/bin/python -m evals throughput --table --out evals/results # the README's table, from the CSV
 
 SmolLM2-135M-Instruct in bfloat16, its shipped bases. Paths:
 
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-from profile_paths import prose_ids
-from suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
+from .profile_paths import prose_ids
+from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
 from transformers import DynamicCache
 
 import patchkv
@@ -152,8 +152,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m evals throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=4096, help="context of the 64-token forwards")
     p.add_argument("--decode-contexts", default="8192,32768")
     p.add_argument("--forward-methods", default="unpatched,unpatched-eager,quanto-int4,4x,8x,16x")
@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
     p.add_argument("--name", default="throughput")
     p.add_argument("--table", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out = Path(args.out)
     if args.table:
         print(table(list(csv.DictReader(open(out / f"{args.name}.csv")))))
@@ -197,6 +197,3 @@ def main() -> None:
     plot(rows, out / f"{args.name}.png")
     print(table(rows))
 
-
-if __name__ == "__main__":
-    main()

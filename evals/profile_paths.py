@@ -1,6 +1,6 @@
 """Where the time goes, per stage, on the three paths (torch.profiler; the library labels its stages `patchkv::*`).
 
-    .venv/bin/python evals/profile_paths.py --out evals/results        # -> profile.md (+ provenance), ~5 minutes
+    .venv/bin/python -m evals profile --out evals/results        # -> profile.md (+ provenance), ~5 minutes
 
 SmolLM2-135M-Instruct in bfloat16, its shipped bases, 2 threads by default:
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
+from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
@@ -86,8 +86,8 @@ def _nested_in(inner: str, outer: str) -> bool:
             "patchkv::select": ("patchkv::unpack",)}.get(outer, ()).__contains__(inner)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m evals profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--decode-context", type=int, default=8192)
     p.add_argument("--calib-tokens", type=int, default=1024)
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--config", default="8x", help=f"the patchkv config profiled, among {', '.join(CONFIGS)}")
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
@@ -151,6 +151,3 @@ def main() -> None:
     write_provenance(out / "profile.md")
     print("\n".join(lines))
 
-
-if __name__ == "__main__":
-    main()

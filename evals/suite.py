@@ -1,6 +1,6 @@
 """What every benchmark shares: the reference model, the named configurations (registry), provenance.
 
-    from suite import CONFIGS, load_smollm2      # evals/ scripts; `python -m evals` imports it as evals.suite
+    from evals.suite import CONFIGS, load_smollm2
     model, tokenizer = load_smollm2()
     patch = CONFIGS["8x"].patch(artifacts, context=4096)   # (artifact, methods) or None for a cache config
 

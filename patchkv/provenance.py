@@ -56,8 +56,13 @@ def provenance() -> dict[str, object]:
         ours = version("patchkv")
     except PackageNotFoundError:
         ours = "unknown"
-    program = sys.argv[0]  # a script (python evals/x.py ...) or a console script (patchkv report ...)
-    command = [Path(sys.executable).name, program] if program.endswith(".py") else [Path(program).name]
+    program = sys.argv[0]  # a package run with -m (python -m evals ...), a script, or a console script (patchkv ...)
+    if program.endswith("__main__.py"):
+        command = [Path(sys.executable).name, "-m", Path(program).parent.name]
+    elif program.endswith(".py"):
+        command = [Path(sys.executable).name, program]
+    else:
+        command = [Path(program).name]
     return {"commit": commit(), "command": " ".join(command + sys.argv[1:]), "machine": machine(),
             "threads": torch.get_num_threads(), "patchkv": ours, "torch": torch.__version__,
             "transformers": transformers.__version__,

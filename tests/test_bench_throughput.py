@@ -1,4 +1,4 @@
-"""`evals/bench_throughput.py` on SmolLM2 at tiny contexts: every path and method ran in every round, the CSV has
+"""`python -m evals throughput` (evals/bench_throughput.py) on SmolLM2 at tiny contexts: every path and method ran in every round, the CSV has
 its columns and rows, ratios are taken against the unpatched model and QuantizedCache of the same rounds, the
 table reads the CSV, the provenance names the commit. No timing asserts."""
 
@@ -20,10 +20,10 @@ FIELDS = ["path", "method", "context", "tokens", "seconds", "ratio_to_unpatched"
 @pytest.mark.parametrize("rounds", [pytest.param(1, id="short"), pytest.param(2, id="full", marks=pytest.mark.slow)])
 def test_bench_throughput_smoke(tmp_path, rounds):
     assert (ROOT / ".models" / "SmolLM2-135M-Instruct").is_dir(), "run `bash scripts/setup.sh` first"
-    run = [sys.executable, str(ROOT / "evals" / "bench_throughput.py"), "--context", "512", "--decode-contexts", "576",
+    run = [sys.executable, "-m", "evals", "throughput", "--context", "512", "--decode-contexts", "576",
            "--forward-methods", "unpatched,quanto-int4,8x", "--decode-methods", "unpatched,unpatched-eager,8x",
            "--calib-tokens", "512", "--rounds", str(rounds), "--out", str(tmp_path), "--name", "tp"]
-    result = subprocess.run(run, capture_output=True, text=True, timeout=900, cwd=ROOT / "evals")
+    result = subprocess.run(run, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     with open(tmp_path / "tp.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -42,7 +42,8 @@ def test_bench_throughput_smoke(tmp_path, rounds):
     assert all(float(decode[m]["ratio_to_unpatched"]) >= 1.0 for m in ("unpatched", "unpatched-eager"))
     assert all(r["ratio_to_quantizedcache"] == "" for r in decode.values())  # no QuantizedCache in that group
     assert (tmp_path / "tp.png").stat().st_size > 0
-    assert json.loads((tmp_path / "tp.csv.provenance.json").read_text())["commit"]
-    table = subprocess.run([sys.executable, str(ROOT / "evals" / "bench_throughput.py"), "--table", "--out",
-                            str(tmp_path), "--name", "tp"], capture_output=True, text=True, cwd=ROOT / "evals")
+    side = json.loads((tmp_path / "tp.csv.provenance.json").read_text())
+    assert side["commit"] and side["command"].split()[1:4] == ["-m", "evals", "throughput"]
+    table = subprocess.run([sys.executable, "-m", "evals", "throughput", "--table", "--out", str(tmp_path), "--name",
+                            "tp"], capture_output=True, text=True, cwd=ROOT)
     assert table.stdout.count("\n| ") == len(rows)
