@@ -6,6 +6,7 @@
     python -m evals table                                      # the README's accuracy table, from the CSV
     python -m evals throughput --out evals/results             # speed, every path side by side (bench_throughput.py)
     python -m evals profile --out evals/results                # where the time goes, per stage (profile_paths.py)
+    python -m evals lossless --out evals/results               # DEFLATE over saved caches' codes (bench_lossless.py)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -250,7 +251,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths"}
+BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless"}
 
 
 def main(argv: list[str] | None = None) -> None:

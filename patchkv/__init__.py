@@ -9,6 +9,7 @@
 from .adapters import SUPPORTED_MODEL_TYPES
 from .artifact import FORMAT_VERSION, Artifact
 from .cache import LatentCache, LatentLayer
+from .cache_file import load_cache, save_cache
 from .calibrate import calibrate
 from .errors import (AlreadyPatchedError, ArtifactError, IncompatibleArtifactError, PatchKVError,
                      UnsupportedModelError)
@@ -22,5 +23,5 @@ __all__ = [
     "FORMAT_VERSION", "METHODS", "SUPPORTED_MODEL_TYPES", "AlreadyPatchedError", "Artifact", "ArtifactError",
     "IncompatibleArtifactError", "LatentCache", "LatentLayer", "LowRank", "PatchKVError", "Quantized",
     "SinksWindow", "TopK", "UnsupportedModelError", "apply", "calibrate", "fit_step_scales", "is_patched",
-    "parse_method", "patched", "remove",
+    "load_cache", "parse_method", "patched", "remove", "save_cache",
 ]

@@ -1,0 +1,96 @@
+"""save_cache / load_cache: a prefix cache written to disk (its codes DEFLATE-compressed) and read back continues
+exactly as the cache it was saved from; files written under another patch, or damaged, are refused."""
+
+import json
+
+import pytest
+import torch
+from conftest import calibration_ids, make_model
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import patchkv
+from patchkv.cache_file import FORMAT, load_cache, save_cache
+from patchkv.steps import with_step_scales
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = make_model("llama")
+    artifact = patchkv.calibrate(model, calibration_ids(), mode="pre_rope", rank=16, progress=False)
+    return model, artifact
+
+
+def prefix(model, ids):
+    """The cache after `ids` `[batch, seq]` went through the patched model in two forwards (so a middle is coded)."""
+    out = model(ids[:, :20], use_cache=True)
+    return model(ids[:, 20:], cache=out.cache, use_cache=True).cache
+
+
+def continued(model, cache, ids):
+    """Logits of `ids` fed one token per forward after `cache`."""
+    return torch.cat([model(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(ids.shape[1])], 1)
+
+
+@pytest.mark.parametrize("compress", ["deflate", None])
+@pytest.mark.parametrize("methods", [[patchkv.SinksWindow(2, 4), patchkv.Quantized(24)], [patchkv.SinksWindow(2, 4)]],
+                         ids=["codes", "lowrank"])
+def test_a_saved_cache_continues_exactly_as_the_one_it_was_saved_from(tmp_path, setup, compress, methods):
+    model, artifact = setup
+    ids, more = calibration_ids(2, 40, seed=5), calibration_ids(2, 6, seed=6)
+    with patchkv.patched(model, artifact, methods):
+        cache = prefix(model, ids)
+        saved = save_cache(cache, tmp_path / "prefix.safetensors", compress=compress)
+        restored = load_cache(model, saved.path)
+        assert restored.get_seq_length() == cache.get_seq_length() == 40
+        assert restored.nbytes() == cache.nbytes() == saved.held_bytes
+        for mine, theirs in zip(restored.layers, cache.layers):
+            assert mine.tensors.keys() == theirs.tensors.keys()
+            assert all(torch.equal(mine.tensors[n], theirs.tensors[n]) for n in mine.tensors)
+        assert torch.equal(continued(model, restored, more), continued(model, cache, more))
+    coded = isinstance(methods[-1], patchkv.Quantized)
+    with safe_open(str(saved.path), framework="pt") as f:
+        encodings = {r["encoding"] for layer in json.loads(f.metadata()[FORMAT])["layers"]
+                     for r in layer["regions"].values()}
+    assert encodings == ({"raw", "deflate"} if coded and compress else {"raw"})
+    assert (saved.code_bytes > 0) == coded
+    if not compress:
+        assert saved.code_ratio == 1.0
+
+
+def test_deflate_takes_back_what_a_widened_step_leaves_unused(tmp_path, setup):
+    """With every step 3x the Gaussian-matched one, almost every coefficient falls in the inner levels: the fixed-rate
+    codes waste bits the lossless stage recovers (the ratio is measured, not assumed: 1.0 would fail)."""
+    model, artifact = setup
+    ratios = []
+    for scale in (1.0, 3.0):
+        widened = with_step_scales(artifact, scale, scale, bits=48, pool="head")
+        with patchkv.patched(model, widened, [patchkv.SinksWindow(2, 4), patchkv.Quantized(48)]):
+            cache = prefix(model, calibration_ids(2, 200, seed=7))
+            ratios.append(save_cache(cache, tmp_path / f"s{scale}.safetensors").code_ratio)
+    assert ratios[1] > 1.2 > ratios[0]
+
+
+def test_a_cache_from_another_patch_or_a_damaged_file_is_refused(tmp_path, setup):
+    model, artifact = setup
+    with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24)]):
+        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "p.safetensors")
+    with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(32)]):
+        with pytest.raises(patchkv.PatchKVError, match="another patch"):
+            load_cache(model, saved.path)
+    with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24)]):
+        with safe_open(str(saved.path), framework="pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        stream = tensors["layers.0.latent_keys"].clone()
+        stream[len(stream) // 2] ^= 0xFF
+        save_file({**tensors, "layers.0.latent_keys": stream}, str(tmp_path / "bad.safetensors"), metadata=meta)
+        with pytest.raises(patchkv.PatchKVError, match="layers.0.latent_keys"):
+            load_cache(model, tmp_path / "bad.safetensors")
+        shaped = json.loads(meta[FORMAT])
+        shaped["layers"][1]["regions"]["sink_keys"]["shape"][2] += 1
+        save_file(tensors, str(tmp_path / "shape.safetensors"), metadata={FORMAT: json.dumps(shaped)})
+        with pytest.raises(patchkv.PatchKVError, match="layers.1.sink_keys"):
+            load_cache(model, tmp_path / "shape.safetensors")
+        save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+        with pytest.raises(patchkv.PatchKVError, match="not written by patchkv.save_cache"):
+            load_cache(model, tmp_path / "other.safetensors")
