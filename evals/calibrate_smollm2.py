@@ -11,11 +11,17 @@ are outliers that would skew the bases; `SinksWindow` keeps them exact at infere
 4 sinks and a 32-token window exact, as `SinksWindow(4, 32)` serves them. The model runs in bfloat16, as it is
 evaluated; moments and Fisher matrices are accumulated in float64.
 
-Step scales (`patchkv.steps`, artifact format version 3) are then fitted, for the `--step-modes` artifacts
-(pre-RoPE by default), for `Quantized(--step-bits, pool="global")` with the same sinks and window, on
-`--step-rows` sequences of `--step-seq` tokens from the ends of the two calibration sources. `--steps-only`
-refits them on the artifacts already in `--out` (calibration is deterministic, so that gives the same files
-as a full run).
+Step scales (`patchkv.steps`, artifact format version 4) are then fitted, for the `--step-modes` artifacts
+(pre-RoPE by default), one set per budget in `--step-budgets` (each ratio resolved to `Quantized(bits,
+pool="global")` at `--step-context` tokens, as `evals/suite.py` runs it) over `--step-grid`, with the same sinks
+and window, on `--step-rows` sequences of `--step-seq` tokens from the ends of the two calibration sources.
+`--steps-only` fits them on the artifacts already in `--out`, adding or replacing the sets of the budgets named
+and keeping the others (calibration is deterministic, so a full run gives the same files).
+
+The shipped pre-RoPE artifact's sets: 8x from `--step-budgets 8x --step-grid 1,1.25,1.5,1.75` (the first fit),
+then 16x and 32x from `--steps-only --step-budgets 16x,32x --step-passes 2 --threads 1` (the default grid; keys,
+then values); each fit's trials are in the artifact's `calibration["step_scale_fits"]`. 4x has no set of its own:
+it reads none (its bits are beyond the 8x set's reach) and costs under 1% without one.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchkv
+from patchkv.budgets import Budget
+from patchkv.cli import budget_list
 from patchkv.corpus import shakespeare_train
 from patchkv.steps import fit_step_scales
 
@@ -54,12 +62,19 @@ def main() -> None:
     ap.add_argument("--modes", default="pre_rope,post_rope")
     ap.add_argument("--fisher-tokens", type=int, default=8192)
     ap.add_argument("--fisher-window", type=int, default=32)
-    ap.add_argument("--step-bits", type=int, default=119, help="bits per head the step scales are fitted for (8x)")
+    ap.add_argument("--step-budgets", type=budget_list, default="8x,16x,32x",
+                    help="budgets the step scales are fitted for, one set each")
+    ap.add_argument("--step-context", type=int, default=4096, help="the context a ratio is met at")
+    ap.add_argument("--step-grid", type=lambda t: tuple(float(x) for x in t.split(",")),
+                    default=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0), help="step multipliers tried")
     ap.add_argument("--step-rows", type=int, default=2)
     ap.add_argument("--step-seq", type=int, default=2048)
     ap.add_argument("--step-modes", default="pre_rope", help="modes whose artifacts get step scales")
+    ap.add_argument("--step-passes", type=int, default=3, help="keys, values, keys again (3) or keys, values (2)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--steps-only", action="store_true", help="refit the step scales of the artifacts in --out")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
     ids = step_ids(tokenizer, args.step_rows, args.step_seq)
@@ -76,8 +91,14 @@ def main() -> None:
                                          fisher_tokens=args.fisher_tokens, fisher_window=args.fisher_window,
                                          source="general mix: Python docs prose + Shakespeare training works")
         if mode in step_modes:
-            artifact = fit_step_scales(model, artifact, ids, bits=args.step_bits, pool="global",
-                                       sink_tokens=args.sink_tokens, window=args.fisher_window)
+            for budget in args.step_budgets:
+                bits = Budget(budget.ratio, budget.bits, pool="global").quantized(artifact, args.step_context).bits
+                artifact = fit_step_scales(model, artifact, ids, bits=bits, pool="global", grid=args.step_grid,
+                                           passes=args.step_passes, sink_tokens=args.sink_tokens,
+                                           window=args.fisher_window)
+                fit = artifact.calibration["step_scale_fits"][-1]
+                print(f"{mode} {budget} ({bits} bits per head): keys x{fit['keys']}, values x{fit['values']}; "
+                      f"{artifact.save(file)}", flush=True)  # saved after each budget: a long fit can be split
         print(artifact.save(file), artifact)
 
 
