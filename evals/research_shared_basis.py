@@ -1,0 +1,116 @@
+"""Research: would a basis shared across heads, or across layers and heads (KVTC's), beat per-head bases at equal bits?
+
+    .venv/bin/python -m evals.research_shared_basis --out evals/results    # about 6 minutes on one core
+
+SmolLM2-135M-Instruct in float32. The vectors the cache holds in pre-RoPE mode (k_proj outputs: un-rotated keys;
+v_proj outputs: values) are collected on `--fit-rows` + `--test-rows` sequences of 512 tokens of the general
+calibration mix (the first 4 positions of each left out, as calibration leaves the sinks out). For each grouping
+of the `[layers, kv_heads, head_dim]` vectors, a plain PCA is fitted per group on the first rows; the bits of a
+budget (`bits x layers x kv_heads` per token for keys, the same for values, as `Quantized(bits, pool="global")`
+spends them) are allocated over every group's components at once (`patchkv.allocation.allocate_bits_global`, on
+the fitted variances); the distortion is measured on the held-out rows as each component's held-out variance
+times the Gaussian quantizer's error at its bits (`GAUSSIAN_MSE`), relative to the held-out total variance.
+
+Groupings: `head` (what patchkv ships: one basis per layer and KV head, 64 dims), `layer` (one per layer, its
+heads concatenated: 192 dims), `layers2` / `layers5` (one per 2 or 5 consecutive layers), `layers30` (one basis
+over every layer and head: 5,760 dims, KVTC). What this does not measure: the effect on the model's loss
+(distortion here is plain squared error, not effect-weighted), nor the cost of decoding a shared latent (a
+layer reads a latent as wide as its group's). Results: `shared_basis.csv` (+ provenance sidecar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import torch
+
+from patchkv.allocation import allocate_bits_global
+from patchkv.quantize import GAUSSIAN_MSE
+
+from .calibrate_smollm2 import general_mix
+from .suite import ROOT, load_smollm2, write_provenance
+
+BUDGETS = (("4x", 249), ("8x", 119), ("16x", 55), ("32x", 23))  # bits per head at 4k, as evals/suite.py runs them
+GROUPINGS = ("head", "layer", "layers2", "layers5", "layers30")
+
+
+@torch.no_grad()
+def cached_vectors(model, rows: torch.Tensor, sinks: int = 4) -> dict[str, torch.Tensor]:
+    """{"keys", "values"}: float64 `[tokens, layers, kv_heads * head_dim]` of `rows` `[n, seq]`, sinks left out."""
+    caught: dict[str, list] = {"keys": [], "values": []}
+    hooks = [getattr(layer.self_attn, proj).register_forward_hook(
+        lambda m, i, o, kind=kind: caught[kind].append(o.detach().double()))
+        for layer in model.model.layers for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
+    out: dict[str, list] = {"keys": [], "values": []}
+    try:
+        for start in range(0, rows.shape[0], 4):
+            for kind in caught:
+                caught[kind].clear()
+            model(rows[start:start + 4])
+            for kind, got in caught.items():
+                x = torch.stack(got)[:, :, sinks:]                      # [layers, batch, seq, width]
+                out[kind].append(x.reshape(x.shape[0], -1, x.shape[-1]).transpose(0, 1))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {kind: torch.cat(v) for kind, v in out.items()}
+
+
+def grouped(x: torch.Tensor, grouping: str, head_dim: int) -> list[torch.Tensor]:
+    """`[tokens, layers, width]` -> one `[tokens, dims]` per group of `grouping`."""
+    layers, width = x.shape[1], x.shape[2]
+    if grouping == "head":
+        return [x[:, layer, h * head_dim:(h + 1) * head_dim] for layer in range(layers) for h in range(width // head_dim)]
+    size = 1 if grouping == "layer" else int(grouping.removeprefix("layers"))
+    return [x[:, start:start + size].reshape(x.shape[0], -1) for start in range(0, layers, size)]
+
+
+def spectra(fit: torch.Tensor, test: torch.Tensor, grouping: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fitted variances, held-out variances) along every group's principal components, concatenated."""
+    fitted, held = [], []
+    for x, y in zip(grouped(fit, grouping, head_dim), grouped(test, grouping, head_dim)):
+        mean = x.mean(0)
+        lam, vec = torch.linalg.eigh((x - mean).T @ (x - mean) / x.shape[0])
+        fitted.append(lam.flip(0).clamp_min(0))
+        held.append((((y - mean) @ vec.flip(1)) ** 2).mean(0))
+    return torch.cat(fitted), torch.cat(held)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fit-rows", type=int, default=32)
+    p.add_argument("--test-rows", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_smollm2(torch.float32)
+    ids = tokenizer("\n\n".join(general_mix()[:40]), add_special_tokens=False)["input_ids"]
+    rows = torch.tensor(ids[:(args.fit_rows + args.test_rows) * 512]).view(-1, 512)
+    fit, test = cached_vectors(model, rows[:args.fit_rows]), cached_vectors(model, rows[args.fit_rows:])
+    head_dim, heads = model.config.head_dim, model.config.num_key_value_heads
+    mse = torch.tensor(GAUSSIAN_MSE, dtype=torch.float64)
+    out = []
+    for kind in ("keys", "values"):
+        for grouping in GROUPINGS:
+            fitted, held = spectra(fit[kind], test[kind], grouping, head_dim)
+            for budget, bits in BUDGETS:
+                allocated = allocate_bits_global(fitted, bits * model.config.num_hidden_layers * heads)
+                out.append({"kind": kind, "grouping": grouping, "dims_per_group": fitted.numel() // len(
+                    grouped(fit[kind][:1], grouping, head_dim)), "budget": budget, "bits_per_head": bits,
+                    "relative_distortion": round(float((held * mse[allocated]).sum() / held.sum()), 5),
+                    "fit_tokens": fit[kind].shape[0], "test_tokens": test[kind].shape[0]})
+                print(out[-1], flush=True)
+    path = Path(args.out) / "shared_basis.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(out[0]))
+        writer.writeheader()
+        writer.writerows(out)
+    write_provenance(path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
