@@ -16,21 +16,31 @@ heads concatenated: 192 dims), `layers2` / `layers5` (one per 2 or 5 consecutive
 over every layer and head: 5,760 dims, KVTC). What this does not measure: the effect on the model's loss
 (distortion here is plain squared error, not effect-weighted), nor the cost of decoding a shared latent (a
 layer reads a latent as wide as its group's). Results: `shared_basis.csv` (+ provenance sidecar).
+
+End to end, by simulation (`--docs N`, `shared_basis_ppl.csv`): token perplexity of the first N held-out 4k
+documents of each perplexity task (prose, Shakespeare, Milton; `--ppl-tokens` tokens each) when every cached key and
+value past the 4 sinks is replaced by its quantized reconstruction on each grouping's bases, at each budget's bits,
+in one forward (the keys and values to code come from a clean forward of the document; no exact window; bits
+allocated by plain variance, not by effect weight). It compares groupings with each other under the same
+simplifications; it is not what `patchkv`'s cache measures (that keeps a 32-token window exact and allocates by
+effect weight, and its figures are in smollm2_accuracy.csv).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 from pathlib import Path
 
 import torch
 
 from patchkv.allocation import allocate_bits_global
-from patchkv.quantize import GAUSSIAN_MSE
+from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
 from .suite import ROOT, load_smollm2, write_provenance
+from .tasks import TASKS
 
 BUDGETS = (("4x", 249), ("8x", 119), ("16x", 55), ("32x", 23))  # bits per head at 4k, as evals/suite.py runs them
 GROUPINGS = ("head", "layer", "layers2", "layers5", "layers30")
@@ -67,15 +77,60 @@ def grouped(x: torch.Tensor, grouping: str, head_dim: int) -> list[torch.Tensor]
     return [x[:, start:start + size].reshape(x.shape[0], -1) for start in range(0, layers, size)]
 
 
-def spectra(fit: torch.Tensor, test: torch.Tensor, grouping: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fitted variances, held-out variances) along every group's principal components, concatenated."""
-    fitted, held = [], []
-    for x, y in zip(grouped(fit, grouping, head_dim), grouped(test, grouping, head_dim)):
+def bases(fit: torch.Tensor, grouping: str, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(mean `[dims]`, variances `[dims]` descending, components `[dims, dims]`) of each group."""
+    out = []
+    for x in grouped(fit, grouping, head_dim):
         mean = x.mean(0)
         lam, vec = torch.linalg.eigh((x - mean).T @ (x - mean) / x.shape[0])
-        fitted.append(lam.flip(0).clamp_min(0))
-        held.append((((y - mean) @ vec.flip(1)) ** 2).mean(0))
-    return torch.cat(fitted), torch.cat(held)
+        out.append((mean, lam.flip(0).clamp_min(0), vec.flip(1)))
+    return out
+
+
+def spectra(fitted: list, test: torch.Tensor, grouping: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fitted variances, held-out variances) along every group's principal components, concatenated."""
+    held = [(((y - mean) @ vec) ** 2).mean(0) for (mean, _, vec), y in zip(fitted, grouped(test, grouping, head_dim))]
+    return torch.cat([lam for _, lam, _ in fitted]), torch.cat(held)
+
+
+def quantized(x: torch.Tensor, fitted: list, bits: torch.Tensor, grouping: str, head_dim: int) -> torch.Tensor:
+    """`x` `[tokens, layers, width]` with every group's coefficients coded at `bits` (concatenated over groups, as
+    `allocate_bits_global` returns them) by the Gaussian-matched midrise quantizer, reconstructed."""
+    out, start = [], 0
+    for (mean, lam, vec), part in zip(fitted, grouped(x, grouping, head_dim)):
+        b = bits[start:start + lam.numel()]
+        start += lam.numel()
+        levels = (2.0 ** b).double()
+        step = torch.tensor([GAUSSIAN_STEP[int(v)] if v else 0.0 for v in b], dtype=torch.float64) * lam.sqrt()
+        c = (part - mean) @ vec
+        index = torch.floor(c / step.clamp_min(1e-30) + levels / 2).clamp(torch.zeros_like(levels), levels - 1)
+        c = torch.where(b > 0, (index + 0.5 - levels / 2) * step, torch.zeros_like(c))
+        out.append(mean + c @ vec.T)
+    tokens, layers, width = x.shape
+    if grouping == "head":
+        return torch.stack(out, 1).view(tokens, layers, width)
+    return torch.cat([o.view(tokens, -1, width) for o in out], 1)
+
+
+@torch.no_grad()
+def simulated_nll(model, ids: torch.Tensor, coded: dict[str, torch.Tensor], sinks: int = 4) -> tuple[float, int]:
+    """(NLL sum, tokens) of `ids` `[1, seq]` with each layer's k_proj / v_proj outputs past `sinks` replaced by
+    `coded[kind]` `[seq - sinks, layers, width]`."""
+    def replace(layer, kind):
+        def hook(module, inputs, output):
+            new = output.clone()
+            new[0, sinks:] = coded[kind][:, layer].to(output.dtype)
+            return new
+        return hook
+    hooks = [getattr(block.self_attn, proj).register_forward_hook(replace(i, kind))
+             for i, block in enumerate(model.model.layers) for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
+    try:
+        logits = model(ids).logits[0, :-1].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    return float(nll), ids.shape[1] - 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fit-rows", type=int, default=32)
     p.add_argument("--test-rows", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--docs", type=int, default=0, help="held-out documents per domain for the simulated perplexity")
+    p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -93,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     head_dim, heads = model.config.head_dim, model.config.num_key_value_heads
     mse = torch.tensor(GAUSSIAN_MSE, dtype=torch.float64)
     out = []
+    fitted_bases = {(kind, g): bases(fit[kind], g, head_dim) for kind in ("keys", "values") for g in GROUPINGS}
     for kind in ("keys", "values"):
         for grouping in GROUPINGS:
-            fitted, held = spectra(fit[kind], test[kind], grouping, head_dim)
+            fitted, held = spectra(fitted_bases[kind, grouping], test[kind], grouping, head_dim)
             for budget, bits in BUDGETS:
                 allocated = allocate_bits_global(fitted, bits * model.config.num_hidden_layers * heads)
                 out.append({"kind": kind, "grouping": grouping, "dims_per_group": fitted.numel() // len(
@@ -108,6 +166,39 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=list(out[0]))
         writer.writeheader()
         writer.writerows(out)
+    write_provenance(path)
+    print(f"wrote {path}")
+    if args.docs:
+        simulate(model, tokenizer, fitted_bases, args, Path(args.out) / "shared_basis_ppl.csv")
+
+
+def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
+    """`shared_basis_ppl.csv`: perplexity per grouping and budget, by simulation (module doc), beside unpatched."""
+    head_dim, units = model.config.head_dim, model.config.num_hidden_layers * model.config.num_key_value_heads
+    documents = [(domain, i, tokenizer(TASKS[f"ppl_{domain}"].documents()[i], add_special_tokens=False)["input_ids"])
+                 for domain in ("prose", "shakespeare", "milton") for i in range(args.docs)]
+    rows = []
+    for domain, index, ids in documents:
+        ids = torch.tensor([[tokenizer.bos_token_id, *ids][:args.ppl_tokens]])
+        clean = cached_vectors(model, ids)
+        base_nll, count = simulated_nll(model, ids, {k: v for k, v in clean.items()})
+        trials = [("unpatched", "-", 0)] + [(g, budget, bits) for budget, bits in BUDGETS[1:] for g in GROUPINGS]
+        for grouping, budget, bits in trials:
+            if grouping == "unpatched":
+                nll = base_nll
+            else:
+                coded = {kind: quantized(clean[kind], fitted_bases[kind, grouping], allocate_bits_global(
+                    torch.cat([lam for _, lam, _ in fitted_bases[kind, grouping]]), bits * units), grouping, head_dim)
+                    for kind in ("keys", "values")}
+                nll = simulated_nll(model, ids, coded)[0]
+            rows.append({"document": f"{domain}#{index}", "tokens": count, "grouping": grouping, "budget": budget,
+                         "bits_per_head": bits, "ppl": round(math.exp(nll / count), 4),
+                         "vs_unpatched": round(math.exp((nll - base_nll) / count) - 1, 5)})
+            print(rows[-1], flush=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
     write_provenance(path)
     print(f"wrote {path}")
 
