@@ -198,9 +198,12 @@ def write_summary(results: Path) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown: one line per method, one column per task@context: score ±ci95 (n)."""
-    columns = sorted({(r["task"], int(r["context"])) for r in rows})
+def table(rows: list[dict], tasks: list[str] | None = None) -> str:
+    """Markdown: one line per method, one column per task@context (those of `tasks` only, when given). RULER:
+    score ±ci95 (n); perplexity: ppl (change against unpatched on the same documents) (n documents)."""
+    rows = [r for r in rows if tasks is None or r["task"] in tasks]
+    columns = sorted({(r["task"], int(r["context"])) for r in rows},
+                     key=lambda tc: (tasks.index(tc[0]) if tasks else 0, tc[0], tc[1]))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cell = {(r["method"], r["task"], int(r["context"])): r for r in rows}
     head = ["method", "KV bytes/token", "vs bf16"] + [f"{t.removeprefix('ruler_')} {c // 1024}k" for t, c in columns]
@@ -213,8 +216,12 @@ def table(rows: list[dict]) -> str:
             if r is None:
                 cells.append("—")
                 continue
-            ci = float(r["ci95"])
-            cells.append(f"{float(r['score']):.2f}" + ("" if math.isnan(ci) else f" ±{ci:.1f}") + f" (n={r['samples']})")
+            score, ci, base = float(r["score"]), float(r["ci95"]), float(r["unpatched_score"])
+            if t.startswith("ppl"):
+                change = "" if math.isnan(base) or m == "unpatched" else f" ({100 * (score / base - 1):+.1f}%)"
+                cells.append(f"{score:.2f}{change} (n={r['samples']})")
+            else:
+                cells.append(f"{score:.1f}" + ("" if math.isnan(ci) else f" ±{ci:.1f}") + f" (n={r['samples']})")
         lines.append(f"| {m} | {float(first['kv_bytes_per_token']):.0f} | {float(first['compression_vs_bf16']):.2f}x | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p = sub.add_parser("peers", help="score evals/peers' kvpress answers into the same records")
     p.add_argument("--predictions", required=True)
-    sub.add_parser("table", help="rebuild the summary CSV from the records, print it as a markdown table, plot it")
+    t = sub.add_parser("table", help="rebuild the summary CSV from the records, print it as a markdown table, plot it")
+    t.add_argument("--tasks", default=None, help="comma-separated: only these tasks' columns (and plot panels)")
     args = parser.parse_args(argv)
     if args.command == "list":
         for c in CONFIGS.values():
@@ -290,8 +298,10 @@ def main(argv: list[str] | None = None) -> None:
         peers(args)
     else:
         rows = write_summary(args.results)
-        print(table(rows))
-        print(f"wrote {plot(rows, args.results / 'smollm2_accuracy.png')}")
+        tasks = args.tasks.split(",") if args.tasks else None
+        print(table(rows, tasks))
+        shown = [r for r in rows if tasks is None or r["task"] in tasks]
+        print(f"wrote {plot(shown, args.results / 'smollm2_accuracy.png')}")
 
 
 if __name__ == "__main__":

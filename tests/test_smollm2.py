@@ -7,6 +7,7 @@ CI runs this short version of it: one 1024-token perplexity window, and the runn
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -100,5 +101,16 @@ def test_summary_and_table_from_records(tmp_path):
     assert 30 < float(coded["ci95"]) < 50 and float(base["ci95"]) < float(coded["ci95"])  # Wilson, n = 4 vs 2
     lines = table.strip().splitlines()
     assert lines[0] == "| method | KV bytes/token | vs bf16 | niah_single_1 4k |" and len(lines) == 5
-    assert lines[3].startswith("| 8x | 2880 | 8.00x | 50.00 ±") and lines[3].endswith(" (n=2) |")
+    assert lines[3].startswith("| 8x | 2880 | 8.00x | 50.0 ±") and lines[3].endswith(" (n=2) |")
     assert lines[4].startswith("wrote ") and (tmp_path / "smollm2_accuracy.png").stat().st_size > 0
+    # perplexity: the change against unpatched on the same documents; --tasks keeps only the columns asked for
+    samples.joinpath("ppl_prose@4096.jsonl").write_text("".join(
+        json.dumps({"config": c, "task": "ppl_prose", "context": 4096, "index": i, "score": nll, "count": 100,
+                    "kv_bytes_per_token": b, "seconds": 1.0, "prediction": "", "commit": "abcdef0123",
+                    "command": "python -m evals run"}) + "\n"
+        for c, i, nll, b in [("unpatched", 0, 200.0, 23040), ("unpatched", 1, 200.0, 23040),
+                             ("8x", 0, 210.0, 2880), ("8x", 1, 210.0, 2880)]))
+    lines = evals("--results", str(tmp_path), "table", "--tasks", "ppl_prose").strip().splitlines()
+    assert lines[0] == "| method | KV bytes/token | vs bf16 | ppl_prose 4k |"
+    assert lines[2] == f"| unpatched | 23040 | 1.00x | {math.exp(2.0):.2f} (n=2) |"
+    assert lines[3] == f"| 8x | 2880 | 8.00x | {math.exp(2.1):.2f} ({100 * (math.exp(0.1) - 1):+.1f}%) (n=2) |"
