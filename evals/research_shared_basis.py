@@ -161,13 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                     "relative_distortion": round(float((held * mse[allocated]).sum() / held.sum()), 5),
                     "fit_tokens": fit[kind].shape[0], "test_tokens": test[kind].shape[0]})
                 print(out[-1], flush=True)
-    path = Path(args.out) / "shared_basis.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(out[0]))
-        writer.writeheader()
-        writer.writerows(out)
-    write_provenance(path)
-    print(f"wrote {path}")
+    write_csv(out, Path(args.out) / "shared_basis.csv")
     if args.docs:
         simulate(model, tokenizer, fitted_bases, args, Path(args.out) / "shared_basis_ppl.csv")
 
@@ -181,7 +175,7 @@ def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
     for domain, index, ids in documents:
         ids = torch.tensor([[tokenizer.bos_token_id, *ids][:args.ppl_tokens]])
         clean = cached_vectors(model, ids)
-        base_nll, count = simulated_nll(model, ids, {k: v for k, v in clean.items()})
+        base_nll, count = simulated_nll(model, ids, clean)
         trials = [("unpatched", "-", 0)] + [(g, budget, bits) for budget, bits in BUDGETS[1:] for g in GROUPINGS]
         for grouping, budget, bits in trials:
             if grouping == "unpatched":
@@ -195,6 +189,11 @@ def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
                          "bits_per_head": bits, "ppl": round(math.exp(nll / count), 4),
                          "vs_unpatched": round(math.exp((nll - base_nll) / count) - 1, 5)})
             print(rows[-1], flush=True)
+    write_csv(rows, path)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """`rows` to `path` with its provenance sidecar."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
