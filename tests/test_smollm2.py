@@ -114,3 +114,15 @@ def test_summary_and_table_from_records(tmp_path):
     assert lines[0] == "| method | KV bytes/token | vs bf16 | ppl_prose 4k |"
     assert lines[2] == f"| unpatched | 23040 | 1.00x | {math.exp(2.0):.2f} (n=2) |"
     assert lines[3] == f"| 8x | 2880 | 8.00x | {math.exp(2.1):.2f} ({100 * (math.exp(0.1) - 1):+.1f}%) (n=2) |"
+
+
+def test_lossless_benchmark_saves_restores_and_measures(tmp_path):
+    """`python -m evals lossless`, short: one document at 1k through 8x; the restored cache is checked equal inside
+    the benchmark, and the CSV carries the measured ratio and its provenance."""
+    evals("lossless", "--configs", "8x", "--documents", "prose", "--context", "1024", "--threads", "1",
+          "--out", str(tmp_path))
+    (row,) = list(csv.DictReader(open(tmp_path / "lossless.csv")))
+    assert (row["method"], row["document"], row["tokens"]) == ("8x", "prose#0", "1024")
+    assert float(row["file_bytes_per_token_deflate"]) < float(row["file_bytes_per_token_raw"])
+    assert float(row["code_ratio"]) > 1.0 and 5 < float(row["compression_vs_bf16_held"]) < 8.5
+    assert (tmp_path / "lossless.csv.provenance.json").is_file()
