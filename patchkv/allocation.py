@@ -15,7 +15,9 @@ lam_c * (GAUSSIAN_MSE[b] - GAUSSIAN_MSE[b + 1]) over all (component, b) is an ex
 allocation (the gains of each component are already sorted, so a greedy choice is always feasible).
 
 Over an artifact (`bit_allocation`), the bits of `Quantized(bits, pool)` come from one of two pools (`POOLS`):
-"head" (each head's own budget) or "global" (one pool by effect weight). This module also counts the bytes per
+"head" (each head's own budget) or "global" (one pool by effect weight), on one of two bases (`BASES`): "head" (the
+per-head PCA) or "layer" (one PCA per layer over its KV heads concatenated, `layer_bit_allocation`). This module
+also counts the bytes per
 token a budget holds (`kv_bytes_per_token`, `compression_ratio`) and picks the step scales a budget codes with
 (`step_scales_for`, from the artifact's typed `step_budgets`).
 """
@@ -34,6 +36,8 @@ if TYPE_CHECKING:  # this module sits below patchkv.artifact, which imports POOL
 
 #: how `Quantized` shares its bits: "head" (every head's keys and values get the budget) or "global" (one pool)
 POOLS = ("head", "global")
+#: what `Quantized` codes on: each KV head's own basis, or one basis per layer shared by its KV heads
+BASES = ("head", "layer")
 #: a budget's step scales serve a `Quantized` budget of the same pool within this factor of its bits
 STEP_BUDGET_REACH = 1.5
 
@@ -182,6 +186,44 @@ def bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[t
     return keys, values
 
 
+def layer_effect_weights(components: Components) -> torch.Tensor:
+    """Effect weights of the layer components `[L, D]` float64 (D = kv_heads * head_dim), from the per-head ones:
+    w_u = sum_h sum_j w_hj (e_hj . u_h)^2 for layer component u (u_h its rows of head h, e_hj the heads' components).
+    This is u^T F u for the block-diagonal Fisher matrix that is diagonal in each head's basis: what the per-head
+    effect weights measure; cross-head terms are not measured and count as zero."""
+    layers, heads, dim = components.mean.shape
+    vectors = components.layer_eigenvectors.double().view(layers, heads, dim, heads * dim)  # [L, H, d, D]
+    along = components.eigenvectors.double().mT @ vectors                                   # [L, H, d(j), D]
+    return (components.weights.double().unsqueeze(-1) * along ** 2).sum((1, 2))
+
+
+def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+    """Bits per layer component `[layers, kv_heads * head_dim]` int64 for keys and for values, on the artifact's
+    layer bases (format version 5): what `Quantized(bits, pool, basis="layer")` codes with, `bits` per head and
+    token on average as `bit_allocation` spends them. pool="head": `bits x kv_heads` for each layer's keys and
+    for its values, by dynamic programming on the layer's eigenvalues; pool="global": one pool over every layer,
+    key and value on eigenvalue x effect weight (`layer_effect_weights`), each layer's key and value codes packed
+    to whole bytes."""
+    if not artifact.has_layer_bases:
+        raise ValueError("basis='layer' codes on the artifact's layer bases, and this artifact has none (format "
+                         f"version {artifact.format_version}). Recalibrate with patchkv.calibrate(..., "
+                         "layer_bases=True), or use basis='head'.")
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
+    layers, heads, dim = artifact.num_layers, artifact.num_kv_heads, artifact.head_dim
+    if not 1 <= bits <= dim * MAX_BITS:
+        raise ValueError(f"bits per head must be in [1, {dim * MAX_BITS}] for head_dim={dim}, got {bits}.")
+    parts = (artifact.keys, artifact.values)
+    if pool == "head":
+        return tuple(allocate_bits(c.layer_eigenvalues, bits * heads) for c in parts)
+    if not artifact.has_effect_weights:
+        raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none; recalibrate "
+                         "with fisher_tokens=8192, or use pool='head'.")
+    costs = [c.layer_eigenvalues.double().clamp_min(0) * layer_effect_weights(c) for c in parts]
+    groups = allocate_to_bytes([c[layer] for layer in range(layers) for c in costs], bits * layers * heads * 2 // 8)
+    return torch.stack(groups[0::2]), torch.stack(groups[1::2])
+
+
 def full_kv_bytes_per_token(artifact: Artifact, element_size: int | None = None) -> int:
     """Bytes per token of the uncompressed cache: 2 (K and V) x layers x KV heads x head_dim x `element_size`
     (default: that of the artifact's model dtype)."""
@@ -189,13 +231,14 @@ def full_kv_bytes_per_token(artifact: Artifact, element_size: int | None = None)
     return 2 * artifact.num_layers * artifact.num_kv_heads * artifact.head_dim * size
 
 
-def kv_bytes_per_token(artifact: Artifact, bits: int | None = None, pool: str = "head") -> int:
+def kv_bytes_per_token(artifact: Artifact, bits: int | None = None, pool: str = "head", basis: str = "head") -> int:
     """Bytes per token of the latent cache: the kept components of K and V (`ranks`) in the model dtype, summed
-    over layers and heads; with `bits`, the codes of `Quantized(bits, pool)` (each layer's K and V codes rounded
-    up to whole bytes)."""
+    over layers and heads; with `bits`, the codes of `Quantized(bits, pool, basis)` (each layer's K and V codes
+    rounded up to whole bytes)."""
     if bits is None:
         return int(artifact.keys.ranks.sum() + artifact.values.ranks.sum()) * artifact.element_size
-    return sum(-(-int(a[layer].sum()) // 8) for a in bit_allocation(artifact, bits, pool) for layer in range(len(a)))
+    allocate = layer_bit_allocation if basis == "layer" else bit_allocation
+    return sum(-(-int(a[layer].sum()) // 8) for a in allocate(artifact, bits, pool) for layer in range(len(a)))
 
 
 def compression_ratio(artifact: Artifact, bits: int | None = None, pool: str = "head") -> float:

@@ -1,6 +1,6 @@
 """The patchkv artifact: calibrated PCA bases for one model, as safetensors plus JSON metadata.
 
-Format, versions 1 to 4
+Format, versions 1 to 5
 =======================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
 `H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
@@ -32,8 +32,20 @@ budgets listed in the metadata field `step_budgets`:
 recorded in `calibration["step_scales"]`; it loads as a one-budget version 4 artifact when that record names
 them, and is refused otherwise.)
 
-An artifact is written at the lowest version that holds it: 4 with step scales, else 2 with effect weights,
-else 1, so files without the newer tensors stay readable by older readers.
+A version 5 file holds what a version 1, 2 or 4 file holds (the eight; optionally the effect weights; optionally
+the step scales, listed in `step_budgets` exactly when present) and exactly six more, with `D = H * d`, a
+layer's KV heads concatenated (head h in columns `h * d : (h + 1) * d`):
+
+    {kind}.layer_mean          float32 [L, D]     mean of each layer's concatenated vectors
+    {kind}.layer_eigenvalues   float32 [L, D]     variances along each layer component, descending
+    {kind}.layer_eigenvectors  float32 [L, D, D]  column j of [l] is component j of layer l
+
+These are the layer bases that `Quantized(basis="layer")` codes on: one basis per layer shared by its KV heads,
+so a token's code for a layer is one latent read by every head (`calibrate(..., layer_bases=True)`). They are
+the whole spectrum, as the per-head bases are.
+
+An artifact is written at the lowest version that holds it: 5 with layer bases, else 4 with step scales, else 2
+with effect weights, else 1, so files without the newer tensors stay readable by older readers.
 
 Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
 `post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
@@ -41,7 +53,7 @@ without recalibrating; only `ranks` components per head are used at inference.
 
 The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
-    format_version  1, 2, 3 or 4 (see above)
+    format_version  1, 2, 3, 4 or 5 (see above)
     mode            "pre_rope" | "post_rope"
     model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
@@ -51,8 +63,9 @@ The safetensors header metadata carries one entry, `"patchkv"`, a JSON object wi
                     rank selection, the calibration dtype, the step-scale fits; information only,
                     never read to decide how the cache works (a version 3 file's step-scale budget
                     is the one exception: `load` reads it once, into `step_budgets`)
-    step_budgets    version 4 only: [{"bits": int >= 1, "pool": "head" | "global"}, ...], the B
-                    distinct budgets (`Quantized(bits, pool)`) the step scales were fitted for
+    step_budgets    version 4, and version 5 with step scales: [{"bits": int >= 1, "pool": "head" |
+                    "global"}, ...], the B distinct budgets (`Quantized(bits, pool)`) the step scales
+                    were fitted for
     checksum        "sha256:<hex>" over every tensor (name, dtype, shape, bytes, in name
                     order) and the canonical JSON of the metadata without `checksum`
 
@@ -68,7 +81,7 @@ head) unless all of the following hold, in this order:
    bytes parsed, so a file replaced meanwhile cannot be loaded under another file's hash.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1, 2, 3 or 4;
+3. `format_version` is the integer 1, 2, 3, 4 or 5;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
 5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above, whose
    `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`,
@@ -76,16 +89,18 @@ head) unless all of the following hold, in this order:
    bfloat16, float64; `calibration` an object; `step_budgets` (version 4) a non-empty list of distinct
    objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
    version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
-6. exactly the eight tensors (version 1), ten (version 2) or ten or twelve (versions 3 and 4), float32 and
-   (ranks) int32, of the shapes above (step scales `[B, L, H]` with B the number of budgets), agreeing with
-   `model`;
+6. exactly the eight tensors (version 1), ten (version 2), ten or twelve (versions 3 and 4), or the six layer
+   tensors, the eight, and the weights and step scales where present (version 5, step scales exactly when
+   `step_budgets` is given), float32 and (ranks) int32, of the shapes above (step scales `[B, L, H]` with B the
+   number of budgets), agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
    max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
    negative value or an increase no larger than 1e-6 x the head's largest eigenvalue is accepted as
    round-off (negatives that small are clamped to 0 in memory; the file is not changed); effect weights,
    where present, >= 0 and given for keys and values both; step scales, where present, > 0 and given for
-   keys and values both.
+   keys and values both; layer bases, where present, given for keys and values both and held to the same
+   rules as the heads' (finite, eigenvalues sorted and >= 0, each layer's eigenvectors orthonormal).
 
 In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
 file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
@@ -119,8 +134,8 @@ from .pca import select_ranks
 from .quantize import MAX_BITS
 
 #: the newest format this version reads and writes (each file is written at the lowest version that holds it)
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 #: the fields `apply` checks (dtype is information: bases are cast to the model's dtype at `apply`)
@@ -136,6 +151,8 @@ TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
 STEP_SCALES = "step_scales"
 STEP_BUDGETS = "step_budgets"
+#: the layer bases of a version 5 file (`Components.layer_*`)
+LAYER_NAMES = ("layer_mean", "layer_eigenvalues", "layer_eigenvectors")
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
 ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
@@ -145,9 +162,10 @@ _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 
 @dataclass
 class Components:
-    """PCA of keys or of values, all layers stacked, and optionally the components' effect weights and the heads'
-    quantizer step scales (`[budgets, L, H]`, one slice per entry of the artifact's `step_budgets`). Shapes as in
-    the format spec above."""
+    """PCA of keys or of values, all layers stacked, and optionally the components' effect weights, the heads'
+    quantizer step scales (`[budgets, L, H]`, one slice per entry of the artifact's `step_budgets`) and the layer
+    bases (`layer_mean` `[L, H * d]`, `layer_eigenvalues` `[L, H * d]`, `layer_eigenvectors` `[L, H * d, H * d]`:
+    one PCA per layer over its KV heads concatenated). Shapes as in the format spec above."""
 
     mean: torch.Tensor
     eigenvalues: torch.Tensor
@@ -155,6 +173,13 @@ class Components:
     ranks: torch.Tensor
     weights: torch.Tensor | None = None
     step_scales: torch.Tensor | None = None
+    layer_mean: torch.Tensor | None = None
+    layer_eigenvalues: torch.Tensor | None = None
+    layer_eigenvectors: torch.Tensor | None = None
+
+    @property
+    def has_layer_bases(self) -> bool:
+        return self.layer_mean is not None
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         out = {
@@ -167,6 +192,8 @@ class Components:
             out[f"{kind}.{WEIGHTS}"] = self.weights.float().contiguous()
         if self.step_scales is not None:
             out[f"{kind}.{STEP_SCALES}"] = self.step_scales.float().contiguous()
+        if self.has_layer_bases:
+            out.update({f"{kind}.{name}": getattr(self, name).float().contiguous() for name in LAYER_NAMES})
         return out
 
 
@@ -241,9 +268,15 @@ class Artifact:
         return self.keys.step_scales is not None
 
     @property
+    def has_layer_bases(self) -> bool:
+        """Whether `Quantized(basis="layer")` can code on it (format version 5)."""
+        return self.keys.has_layer_bases
+
+    @property
     def format_version(self) -> int:
-        """The version this artifact is written at: 4 with step scales, else 2 with effect weights, else 1."""
-        return 4 if self.has_step_scales else 2 if self.has_effect_weights else 1
+        """The version this artifact is written at: 5 with layer bases, else 4 with step scales, else 2 with effect
+        weights, else 1."""
+        return 5 if self.has_layer_bases else 4 if self.has_step_scales else 2 if self.has_effect_weights else 1
 
     # ----- re-targeting ------------------------------------------------------------------------
     def with_ranks(self, rank: int | None = None, energy: float | None = None) -> Artifact:
@@ -359,9 +392,9 @@ class Artifact:
         try:
             _check_model_fields(meta["model"])
             version = meta["format_version"]
-            _check_tensor_set(tensors, version)
+            _check_tensor_set(tensors, version, STEP_BUDGETS in meta)
             budgets = None
-            if version == 4:
+            if version in (4, 5) and STEP_BUDGETS in meta:
                 budgets = _parse_budgets(meta[STEP_BUDGETS], meta["model"]["head_dim"], STEP_BUDGETS)
             elif version == 3:  # one budget, recorded in the calibration summary: read once, here, into a typed field
                 record = meta["calibration"].get("step_scales")
@@ -373,7 +406,9 @@ class Artifact:
                     tensors[f"{kind}.{STEP_SCALES}"] = tensors[f"{kind}.{STEP_SCALES}"].unsqueeze(0)
             parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES),
                                       weights=tensors.get(f"{kind}.{WEIGHTS}"),
-                                      step_scales=tensors.get(f"{kind}.{STEP_SCALES}")) for kind in KINDS}
+                                      step_scales=tensors.get(f"{kind}.{STEP_SCALES}"),
+                                      **{name: tensors.get(f"{kind}.{name}") for name in LAYER_NAMES})
+                     for kind in KINDS}
             return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"],
                        step_budgets=budgets, **parts)
         except InvalidArtifactError as e:
@@ -406,7 +441,7 @@ class Artifact:
         layers, heads, dim = mean.shape
         for kind in KINDS:
             _check_components(kind, getattr(self, kind), layers, heads, dim)
-        for field, what in ((WEIGHTS, "effect weights"), (STEP_SCALES, "step scales")):
+        for field, what in ((WEIGHTS, "effect weights"), (STEP_SCALES, "step scales"), ("layer_mean", "layer bases")):
             given = [kind for kind in KINDS if getattr(getattr(self, kind), field) is not None]
             if len(given) == 1:
                 raise InvalidArtifactError(f"{what} must be given for keys and values both, or for neither; "
@@ -525,7 +560,8 @@ def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
             f"{file} has artifact format version {version!r}; this patchkv reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}. Install the patchkv version that wrote it, or recalibrate."
         )
-    fields = META_FIELDS + ((STEP_BUDGETS,) if version == 4 else ())
+    budgeted = version == 4 or (version == 5 and STEP_BUDGETS in meta)  # version 5: step scales are optional
+    fields = META_FIELDS + ((STEP_BUDGETS,) if budgeted else ())
     missing = [k for k in fields if k not in meta]
     extra = sorted(k for k in meta if k not in fields)
     if missing or extra:
@@ -592,12 +628,14 @@ def _check_model_fields(model: dict[str, Any]) -> None:
         raise InvalidArtifactError(f"model.dtype must be one of {MODEL_DTYPES}, got {model['dtype']!r:.80}.")
 
 
-def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int) -> None:
-    """Step 6: exactly the eight (version 1), ten (version 2) or ten or twelve (versions 3 and 4: step scales, with
-    or without effect weights) tensors, float32 / int32 as stored in the file."""
-    scaled = version in (3, 4)
-    with_weights = version == 2 or (scaled and any(name.endswith(f".{WEIGHTS}") for name in tensors))
-    stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if scaled else ())
+def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int, budgeted: bool) -> None:
+    """Step 6: exactly the eight (version 1), ten (version 2), ten or twelve (versions 3 and 4: step scales, with
+    or without effect weights) or the version 5 set (the layer bases; step scales when `budgeted`, the metadata
+    lists step budgets), float32 / int32 as stored in the file."""
+    scaled = version in (3, 4) or (version == 5 and budgeted)
+    with_weights = version == 2 or (version >= 3 and any(name.endswith(f".{WEIGHTS}") for name in tensors))
+    stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if scaled else ()) \
+        + (LAYER_NAMES if version == 5 else ())
     names = {f"{kind}.{n}" for kind in KINDS for n in stored}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
@@ -671,6 +709,42 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
     if bad.any():
         raise _where(kind, "eigenvectors", bad, f"eigenvectors are not orthonormal: max |VᵀV - I| = "
                      f"{error[bad].max().item():.3g} > {ORTHONORMAL_TOL:g}")
+    if c.has_layer_bases:
+        _check_layer_bases(kind, c, layers, heads * dim)
+
+
+def _check_layer_bases(kind: str, c: Components, layers: int, width: int) -> None:
+    """Step 7 for the layer bases of a version 5 artifact: shapes `[L, D]`, `[L, D]`, `[L, D, D]`, finite, eigenvalues
+    sorted and >= 0 up to round-off (clamped), each layer's eigenvectors orthonormal."""
+    expected = {"layer_mean": (layers, width), "layer_eigenvalues": (layers, width),
+                "layer_eigenvectors": (layers, width, width)}
+    for name, shape in expected.items():
+        t = getattr(c, name)
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArtifactError(f"{kind}.{name} must be a torch.Tensor (all three layer tensors or none), got "
+                                       f"{type(t).__name__}.")
+        if tuple(t.shape) != shape:
+            raise InvalidArtifactError(f"{kind}.{name} has shape {tuple(t.shape)}, expected {shape} "
+                                       f"([layers, kv_heads * head_dim]).")
+        if t.dtype not in (torch.float32, torch.float64):
+            raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected float32 or float64.")
+        finite = torch.isfinite(t).reshape(layers, -1).all(-1)
+        if not finite.all():
+            raise InvalidArtifactError(f"{kind}.{name} at layer {int((~finite).nonzero()[0])}: holds NaN or Inf values.")
+    ev = c.layer_eigenvalues.double()
+    tol = EIGENVALUE_RTOL * ev.abs().amax(-1, keepdim=True)
+    for bad, what in (((ev < -tol).any(-1), "eigenvalues must be >= 0 (variances)"),
+                      (((ev[:, 1:] - ev[:, :-1]) > tol).any(-1), "eigenvalues must be sorted in descending order")):
+        if bad.any():
+            raise InvalidArtifactError(f"{kind}.layer_eigenvalues at layer {int(bad.nonzero()[0])}: {what}.")
+    if (c.layer_eigenvalues < 0).any():
+        c.layer_eigenvalues = c.layer_eigenvalues.clamp_min(0)
+    v = c.layer_eigenvectors.double()
+    error = (v.mT @ v - torch.eye(width, dtype=torch.float64)).abs().amax((-2, -1))  # [layers]
+    if (error > ORTHONORMAL_TOL).any():
+        layer = int((error > ORTHONORMAL_TOL).nonzero()[0])
+        raise InvalidArtifactError(f"{kind}.layer_eigenvectors at layer {layer}: eigenvectors are not orthonormal: "
+                                   f"max |VᵀV - I| = {error[layer].item():.3g} > {ORTHONORMAL_TOL:g}.")
 
 
 def _resolve(path: Path, *, creating: bool) -> Path:

@@ -33,7 +33,7 @@ def sixteen_bit_bytes(artifact) -> int:
 
 
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
-                   window: int = EXACT[1]) -> int:
+                   window: int = EXACT[1], basis: str = "head") -> int:
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` whose
     whole cache at `context` tokens (exact sinks and window in 16 bits, codes, positions) holds at most the 16-bit
     cache's bytes / `ratio` per token. Raises ValueError if even 1 bit per head does not fit."""
@@ -41,7 +41,7 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     exact = min(sink_tokens + window, context)
 
     def total(bits: int) -> float:
-        return (exact * full + (context - exact) * kv_bytes_per_token(artifact, bits, pool)) / context + POSITION_BYTES
+        return (exact * full + (context - exact) * kv_bytes_per_token(artifact, bits, pool, basis)) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
         raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {sink_tokens} sinks and a "
@@ -57,19 +57,21 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
 @dataclass(frozen=True)
 class Budget:
     """A compression target: `ratio` against the 16-bit cache, or `bits` per KV head and token; `pool` None picks
-    the global pool when the artifact has effect weights."""
+    the global pool when the artifact has effect weights; `basis` "head" or "layer" (`Quantized`'s)."""
 
     ratio: float | None = None
     bits: int | None = None
     pool: str | None = None
+    basis: str = "head"
 
     def __str__(self) -> str:
         return f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
 
     def quantized(self, artifact, context: int) -> Quantized:
         pool = self.pool or default_pool(artifact)
-        bits = self.bits if self.bits is not None else bits_for_ratio(artifact, self.ratio, pool=pool, context=context)
-        return Quantized(bits, pool=pool)
+        bits = self.bits if self.bits is not None else bits_for_ratio(artifact, self.ratio, pool=pool, context=context,
+                                                                      basis=self.basis)
+        return Quantized(bits, pool=pool, basis=self.basis)
 
     def methods(self, artifact, context: int) -> list[Method]:
         """[SinksWindow(*EXACT), Quantized(bits, pool)] meeting this budget at `context` tokens."""

@@ -48,6 +48,7 @@ def calibrate(
     progress: bool = True,
     fisher_tokens: int = 0,
     fisher_window: int = 32,
+    layer_bases: bool = False,
 ) -> Artifact:
     """Calibrate PCA bases for `model`'s keys and values and return them as an `Artifact`.
 
@@ -74,6 +75,11 @@ def calibrate(
     fisher_window: while measuring effect weights, the `window` most recent tokens of each query (and the
         sinks) are read exact, as `SinksWindow(sink_tokens, window)` serves them; match it to the window you
         will apply.
+    layer_bases: also compute one PCA per layer over its KV heads concatenated (`kv_heads * head_dim` dims,
+        artifact format version 5), the basis `Quantized(basis="layer")` codes on: a token's code for a layer is
+        then one latent that every head reads, which captures what the heads share. Costs a `[D, D]` moment per
+        layer (D = kv_heads * head_dim) and `2 * layers * D * D` floats in the file (8.8 MB for SmolLM2, 268 MB
+        for an 8-KV-head model of head_dim 128 and 32 layers).
 
     In a process group of several processes, pass the same (unsharded) data on every rank; see the module
     docstring.
@@ -89,6 +95,8 @@ def calibrate(
     _check_unsharded(texts_or_dataloader, here)
 
     stats = {kind: [CovarianceAccumulator(heads, dim) for _ in modules] for kind in ("keys", "values")}
+    layer_stats = {kind: [CovarianceAccumulator(1, heads * dim) for _ in modules] for kind in ("keys", "values")} \
+        if layer_bases else {}
     token_mask: list[torch.Tensor] = []  # the current batch's [batch, seq] mask of tokens to count
 
     def collect(attn: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -108,6 +116,9 @@ def calibrate(
                 for kind, x in (("keys", k), ("values", v)):
                     # [batch, heads, seq, dim] -> [heads, n, dim] over the kept tokens
                     stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, token_mask[0].to(x.device)])
+                    if layer_bases:  # [batch, heads, seq, dim] -> [1, n, heads * dim]: the heads concatenated
+                        kept = x.transpose(1, 2)[token_mask[0].to(x.device)]
+                        layer_stats[kind][attn.layer_idx].add(kept.reshape(1, kept.shape[0], -1))
         finally:
             if hook is not None:
                 hook.post_forward(attn, None)
@@ -152,7 +163,7 @@ def calibrate(
         model.train(was_training)
     if here.distributed:
         _check_same_stream(fingerprint, seen, here)
-        _sum_over_ranks([acc for accs in stats.values() for acc in accs])
+        _sum_over_ranks([acc for part in (stats, layer_stats) for accs in part.values() for acc in accs])
         if fisher_tokens:
             fisher.keys, fisher.values = _sum_fisher_over_ranks(fisher.keys, fisher.values)
             fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
@@ -168,16 +179,26 @@ def calibrate(
         weights = None
         if fisher_tokens:
             weights = effect_weights(getattr(fisher, kind) / max(fisher.count, 1), eigenvectors)
+        layer = {}
+        if layer_bases:
+            with torch.profiler.record_function("patchkv::pca"):
+                per_layer = [acc.pca() for acc in layer_stats[kind]]
+            layer = {"layer_mean": torch.stack([p.mean[0] for p in per_layer]),
+                     "layer_eigenvalues": torch.stack([p.eigenvalues[0] for p in per_layer]),
+                     "layer_eigenvectors": torch.stack([p.eigenvectors[0] for p in per_layer])}
         parts[kind] = Components(
             mean=torch.stack([p.mean for p in pcas]),
             eigenvalues=eigenvalues,
             eigenvectors=eigenvectors,
             ranks=select_ranks(eigenvalues, rank, energy),
             weights=weights,
+            **layer,
         )
     selection = {"rank": None if rank is None else int(rank), "energy": None if energy is None else float(energy)}
     calibration = {"source": source or _describe(texts_or_dataloader), "tokens": seen, "sequences": sequences,
                    "seq_len": int(seq_len), "sink_tokens": int(sink_tokens), "rank_selection": selection}
+    if layer_bases:
+        calibration["layer_bases"] = True
     if fisher_tokens:
         calibration["effect_weights"] = {"tokens": fisher.count, "window": int(fisher_window),
                                          "sink_tokens": int(sink_tokens)}

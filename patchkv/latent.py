@@ -65,6 +65,40 @@ class LatentBasis:
         return coeffs @ self.basis.transpose(1, 2) + self.mean.unsqueeze(1)
 
 
+class LayerBasis(LatentBasis):
+    """One basis for a layer's keys (or values), shared by its KV heads: PCA over the heads concatenated,
+    `[kv_heads * head_dim]` per token (artifact format version 5). A token's coefficients `c` `[rank]` are one latent
+    for the whole layer; head h reads its own rows of the basis: `x_h = U_h c + mean_h`, U_h `[head_dim, rank]`.
+
+    mean `[kv_heads * head_dim]`; eigenvectors `[kv_heads * head_dim, D]` (columns by decreasing variance); the
+    first `rank` are kept. As a `LatentBasis` it has `heads` = kv_heads, each of rank `rank` with basis U_h, and
+    `coefficients` gives every head the same latent (codecs store it once)."""
+
+    def __init__(self, mean: torch.Tensor, eigenvectors: torch.Tensor, rank: int, heads: int, query_groups: int,
+                 dtype: torch.dtype):
+        width = mean.shape[0]
+        if width % heads:
+            raise ValueError(f"a layer basis of width {width} cannot be split into {heads} heads.")
+        dim = width // heads
+        super().__init__(mean.view(heads, dim), eigenvectors[:, :rank].reshape(heads, dim, rank), [rank] * heads,
+                         query_groups, dtype)
+        self.float_layer_basis = eigenvectors[:, :rank].float()   # [D, rank]
+        self.float_layer_mean = mean.float()                      # [D]
+
+    def to(self, device: torch.device) -> LayerBasis:
+        super().to(device)
+        self.float_layer_basis, self.float_layer_mean = self.float_layer_basis.to(device), self.float_layer_mean.to(device)
+        return self
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[batch, kv_heads, seq, head_dim]` -> float32 `[batch, kv_heads, seq, rank]`: the layer's latent of each
+        token (its heads concatenated, projected once), the same for every head."""
+        batch, heads, seq, dim = x.shape
+        flat = x.float().transpose(1, 2).reshape(batch, seq, heads * dim)
+        latent = (flat - self.float_layer_mean) @ self.float_layer_basis   # [batch, seq, rank]
+        return latent.unsqueeze(1).expand(batch, heads, seq, latent.shape[-1])
+
+
 class Codec:
     """How a layer's coefficients are stored. Subclasses set `width` and `stored_dtype`, implement `encode`,
     and describe their stored form to the kernels with `set_table` (`patchkv.kernels`: attention reads the

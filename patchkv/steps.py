@@ -21,12 +21,13 @@ version 4), and `Quantized(bits, pool)` reads the set fitted for its budget, or 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
-from .artifact import KINDS, Artifact, Components
+from .artifact import KINDS, Artifact
 from .errors import PatchKVError
 from .methods import Quantized, SinksWindow
 from .patching import is_patched, patched
@@ -93,7 +94,7 @@ def with_step_scales(artifact: Artifact, keys: float, values: float, *, bits: in
         new = torch.full((1, *c.ranks.shape), float(scale))
         old = c.step_scales.float() if c.step_scales is not None else new[:0]
         stacked = torch.cat([old[:index], new, old[index + 1:]])
-        parts[kind] = Components(c.mean, c.eigenvalues, c.eigenvectors, c.ranks, c.weights, stacked)
+        parts[kind] = dataclasses.replace(c, step_scales=stacked)
     return Artifact(mode=artifact.mode, model=artifact.model, calibration=dict(artifact.calibration),
                     step_budgets=budgets, **parts)
 

@@ -195,16 +195,21 @@ def test_decode_attention_in_every_family(family, mode, monkeypatch):
     check_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3), monkeypatch)
 
 
-def check_decode(family, attn, mode, options, monkeypatch):
+def check_decode(family, attn, mode, options, monkeypatch, layer=False):
+    """`layer`: the options' `bits` as `Quantized(bits, basis="layer")` codes (`test_layer_basis`)."""
     model = make_model(family, attn)
     rank = model.model.layers[0].self_attn.head_dim // 2
-    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False)
+    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False, layer_bases=layer)
+    methods = []
+    if layer:
+        options = dict(options)
+        methods = [patchkv.Quantized(options.pop("bits"), basis="layer")]
     ids = calibration_ids(2, 30, seed=9)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # the second row left-padded
 
     def decode_logits():
-        with patchkv.patched(model, art, **options):
+        with patchkv.patched(model, art, methods, **options):
             cache = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True).cache
             cache = model(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache, use_cache=True).cache
             return model(ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
