@@ -18,6 +18,11 @@ and window, on `--step-rows` sequences of `--step-seq` tokens from the ends of t
 `--steps-only` fits them on the artifacts already in `--out`, adding or replacing the sets of the budgets named
 and keeping the others (calibration is deterministic, so a full run gives the same files).
 
+Layer bases (artifact format version 5, for `Quantized(basis="layer")`) are calibrated with the per-head bases,
+on the same tokens. `--layer-bases-only` adds them to the artifacts already in `--out` (one calibration pass
+without effect weights or step fits; its per-head bases must agree with the file's, or nothing is written): the
+shipped pre-RoPE artifact got its layer bases so, `--layer-bases-only --modes pre_rope --threads 1`.
+
 The shipped pre-RoPE artifact's sets: 8x from `--step-budgets 8x --step-grid 1,1.25,1.5,1.75` (the first fit),
 then 16x and 32x from `--steps-only --step-budgets 16x,32x --step-passes 2 --threads 1` (the default grid; keys,
 then values); each fit's trials are in the artifact's `calibration["step_scale_fits"]`. 4x has no set of its own:
@@ -73,6 +78,7 @@ def main() -> None:
     ap.add_argument("--step-passes", type=int, default=3, help="keys, values, keys again (3) or keys, values (2)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--steps-only", action="store_true", help="refit the step scales of the artifacts in --out")
+    ap.add_argument("--layer-bases-only", action="store_true", help="add layer bases to the artifacts in --out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
@@ -81,15 +87,16 @@ def main() -> None:
     step_modes = args.step_modes.split(",")
     for mode in args.modes.split(","):
         file = Path(args.out) / f"{mode}.safetensors"
+        if args.layer_bases_only:
+            artifact = with_layer_bases(patchkv.Artifact.load(file), calibrate(model, tokenizer, mode, args, 0))
+            print(artifact.save(file), artifact)
+            continue
         if args.steps_only:
             if mode not in step_modes:
                 continue
             artifact = patchkv.Artifact.load(file)
         else:
-            artifact = patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32,
-                                         max_tokens=args.max_tokens, sink_tokens=args.sink_tokens,
-                                         fisher_tokens=args.fisher_tokens, fisher_window=args.fisher_window,
-                                         source="general mix: Python docs prose + Shakespeare training works")
+            artifact = calibrate(model, tokenizer, mode, args, args.fisher_tokens)
         if mode in step_modes:
             for budget in args.step_budgets:
                 bits = Budget(budget.ratio, budget.bits, pool="global").quantized(artifact, args.step_context).bits
@@ -100,6 +107,27 @@ def main() -> None:
                 print(f"{mode} {budget} ({bits} bits per head): keys x{fit['keys']}, values x{fit['values']}; "
                       f"{artifact.save(file)}", flush=True)  # saved after each budget: a long fit can be split
         print(artifact.save(file), artifact)
+
+
+def calibrate(model, tokenizer, mode: str, args: argparse.Namespace, fisher_tokens: int) -> patchkv.Artifact:
+    return patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32, max_tokens=args.max_tokens,
+                             sink_tokens=args.sink_tokens, fisher_tokens=fisher_tokens,
+                             fisher_window=args.fisher_window, layer_bases=True,
+                             source="general mix: Python docs prose + Shakespeare training works")
+
+
+def with_layer_bases(artifact: patchkv.Artifact, fresh: patchkv.Artifact) -> patchkv.Artifact:
+    """`artifact` with the layer bases of `fresh`, calibrated on the same tokens: their per-head spectra must agree."""
+    for kind in ("keys", "values"):
+        mine, theirs = getattr(artifact, kind), getattr(fresh, kind)
+        if not torch.allclose(mine.eigenvalues.double(), theirs.eigenvalues.double(), rtol=1e-3, atol=1e-6):
+            raise SystemExit(f"the fresh calibration's {kind} spectra differ from the artifact's: not the same data "
+                             "or settings; nothing written.")
+        for name in ("layer_mean", "layer_eigenvalues", "layer_eigenvectors"):
+            setattr(mine, name, getattr(theirs, name))
+    artifact.calibration["layer_bases"] = True
+    return patchkv.Artifact(mode=artifact.mode, model=artifact.model, keys=artifact.keys, values=artifact.values,
+                            calibration=artifact.calibration, step_budgets=artifact.step_budgets)
 
 
 def step_ids(tokenizer, rows: int, seq: int) -> torch.Tensor:
