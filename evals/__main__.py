@@ -66,7 +66,7 @@ def append_record(path: Path, record: dict) -> None:
 
 def family(config: str) -> str:
     if config in CONFIGS:
-        return CONFIGS[config].kind
+        return CONFIGS[config].extra.get("family", CONFIGS[config].kind)
     return config.split(" r=")[0]  # kvpress <Press> r=<ratio>
 
 

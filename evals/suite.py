@@ -60,9 +60,9 @@ class Config:
         return artifact, self.methods(artifact, context)
 
 
-def _coded(ratio: float, pool: str = "global", extra: tuple = ()):
+def _coded(ratio: float, pool: str = "global", extra: tuple = (), basis: str = "head"):
     def methods(artifact, context):
-        return [*Budget(ratio=ratio, pool=pool).methods(artifact, context), *extra]
+        return [*Budget(ratio=ratio, pool=pool, basis=basis).methods(artifact, context), *extra]
     return methods
 
 
@@ -80,6 +80,12 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("8x", "pre_rope", _coded(8), note="global pre-RoPE codes, 8x vs bf16"),
     Config("16x", "pre_rope", _coded(16), note="global pre-RoPE codes, 16x vs bf16"),
     Config("32x", "pre_rope", _coded(32), note="global pre-RoPE codes, 32x vs bf16"),
+    Config("8x-layer", "pre_rope", _coded(8, basis="layer"), note="global pre-RoPE codes on layer bases, 8x vs bf16",
+           extra={"family": "patchkv-layer"}),
+    Config("16x-layer", "pre_rope", _coded(16, basis="layer"), note="global pre-RoPE codes on layer bases, 16x vs bf16",
+           extra={"family": "patchkv-layer"}),
+    Config("32x-layer", "pre_rope", _coded(32, basis="layer"), note="global pre-RoPE codes on layer bases, 32x vs bf16",
+           extra={"family": "patchkv-layer"}),
     Config("8x-top256", "pre_rope", _coded(8, extra=(patchkv.TopK(256, 16),)),
            note="8x + decode over the best 256 latent tokens per KV head"),
     Config("8x-post", "post_rope", _coded(8), note="global post-RoPE codes, 8x vs bf16"),
