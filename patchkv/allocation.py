@@ -186,24 +186,13 @@ def bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[t
     return keys, values
 
 
-def layer_effect_weights(components: Components) -> torch.Tensor:
-    """Effect weights of the layer components `[L, D]` float64 (D = kv_heads * head_dim), from the per-head ones:
-    w_u = sum_h sum_j w_hj (e_hj . u_h)^2 for layer component u (u_h its rows of head h, e_hj the heads' components).
-    This is u^T F u for the block-diagonal Fisher matrix that is diagonal in each head's basis: what the per-head
-    effect weights measure; cross-head terms are not measured and count as zero."""
-    layers, heads, dim = components.mean.shape
-    vectors = components.layer_eigenvectors.double().view(layers, heads, dim, heads * dim)  # [L, H, d, D]
-    along = components.eigenvectors.double().mT @ vectors                                   # [L, H, d(j), D]
-    return (components.weights.double().unsqueeze(-1) * along ** 2).sum((1, 2))
-
-
 def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
     """Bits per layer component `[layers, kv_heads * head_dim]` int64 for keys and for values, on the artifact's
     layer bases (format version 5): what `Quantized(bits, pool, basis="layer")` codes with, `bits` per head and
     token on average as `bit_allocation` spends them. pool="head": `bits x kv_heads` for each layer's keys and
     for its values, by dynamic programming on the layer's eigenvalues; pool="global": one pool over every layer,
-    key and value on eigenvalue x effect weight (`layer_effect_weights`), each layer's key and value codes packed
-    to whole bytes."""
+    key and value on eigenvalue x the layer components' effect weights (`layer_weights`: the layer's whole Fisher
+    matrix over its heads, cross-head terms included), each layer's key and value codes packed to whole bytes."""
     if not artifact.has_layer_bases:
         raise ValueError("basis='layer' codes on the artifact's layer bases, and this artifact has none (format "
                          f"version {artifact.format_version}). Recalibrate with patchkv.calibrate(..., "
@@ -219,7 +208,7 @@ def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> t
     if not artifact.has_effect_weights:
         raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none; recalibrate "
                          "with fisher_tokens=8192, or use pool='head'.")
-    costs = [c.layer_eigenvalues.double().clamp_min(0) * layer_effect_weights(c) for c in parts]
+    costs = [c.layer_eigenvalues.double().clamp_min(0) * c.layer_weights.double() for c in parts]
     groups = allocate_to_bytes([c[layer] for layer in range(layers) for c in costs], bits * layers * heads * 2 // 8)
     return torch.stack(groups[0::2]), torch.stack(groups[1::2])
 

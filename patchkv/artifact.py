@@ -40,6 +40,11 @@ layer's KV heads concatenated (head h in columns `h * d : (h + 1) * d`):
     {kind}.layer_eigenvalues   float32 [L, D]     variances along each layer component, descending
     {kind}.layer_eigenvectors  float32 [L, D, D]  column j of [l] is component j of layer l
 
+and, exactly when it holds the effect weights, one more per kind:
+
+    {kind}.layer_weights       float32 [L, D]     effect weight of each layer component, >= 0: u_j^T F u_j with F
+                                                  the layer's whole Fisher matrix over its heads concatenated
+
 These are the layer bases that `Quantized(basis="layer")` codes on: one basis per layer shared by its KV heads,
 so a token's code for a layer is one latent read by every head (`calibrate(..., layer_bases=True)`). They are
 the whole spectrum, as the per-head bases are.
@@ -153,6 +158,7 @@ STEP_SCALES = "step_scales"
 STEP_BUDGETS = "step_budgets"
 #: the layer bases of a version 5 file (`Components.layer_*`)
 LAYER_NAMES = ("layer_mean", "layer_eigenvalues", "layer_eigenvectors")
+LAYER_WEIGHTS = "layer_weights"
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
 ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
@@ -176,6 +182,7 @@ class Components:
     layer_mean: torch.Tensor | None = None
     layer_eigenvalues: torch.Tensor | None = None
     layer_eigenvectors: torch.Tensor | None = None
+    layer_weights: torch.Tensor | None = None
 
     @property
     def has_layer_bases(self) -> bool:
@@ -194,6 +201,8 @@ class Components:
             out[f"{kind}.{STEP_SCALES}"] = self.step_scales.float().contiguous()
         if self.has_layer_bases:
             out.update({f"{kind}.{name}": getattr(self, name).float().contiguous() for name in LAYER_NAMES})
+        if self.layer_weights is not None:
+            out[f"{kind}.{LAYER_WEIGHTS}"] = self.layer_weights.float().contiguous()
         return out
 
 
@@ -407,7 +416,7 @@ class Artifact:
             parts = {kind: Components(*(tensors[f"{kind}.{n}"] for n in TENSOR_NAMES),
                                       weights=tensors.get(f"{kind}.{WEIGHTS}"),
                                       step_scales=tensors.get(f"{kind}.{STEP_SCALES}"),
-                                      **{name: tensors.get(f"{kind}.{name}") for name in LAYER_NAMES})
+                                      **{name: tensors.get(f"{kind}.{name}") for name in (*LAYER_NAMES, LAYER_WEIGHTS)})
                      for kind in KINDS}
             return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"],
                        step_budgets=budgets, **parts)
@@ -635,7 +644,7 @@ def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int, budgeted: 
     scaled = version in (3, 4) or (version == 5 and budgeted)
     with_weights = version == 2 or (version >= 3 and any(name.endswith(f".{WEIGHTS}") for name in tensors))
     stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if scaled else ()) \
-        + (LAYER_NAMES if version == 5 else ())
+        + (LAYER_NAMES + ((LAYER_WEIGHTS,) if with_weights else ()) if version == 5 else ())
     names = {f"{kind}.{n}" for kind in KINDS for n in stored}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
@@ -711,13 +720,22 @@ def _check_components(kind: str, c: Components, layers: int, heads: int, dim: in
                      f"{error[bad].max().item():.3g} > {ORTHONORMAL_TOL:g}")
     if c.has_layer_bases:
         _check_layer_bases(kind, c, layers, heads * dim)
+    elif c.layer_weights is not None:
+        raise InvalidArtifactError(f"{kind}.layer_weights are given without layer bases.")
 
 
 def _check_layer_bases(kind: str, c: Components, layers: int, width: int) -> None:
     """Step 7 for the layer bases of a version 5 artifact: shapes `[L, D]`, `[L, D]`, `[L, D, D]`, finite, eigenvalues
-    sorted and >= 0 up to round-off (clamped), each layer's eigenvectors orthonormal."""
+    sorted and >= 0 up to round-off (clamped), each layer's eigenvectors orthonormal; layer effect weights `[L, D]`
+    >= 0 exactly when the heads have effect weights."""
     expected = {"layer_mean": (layers, width), "layer_eigenvalues": (layers, width),
                 "layer_eigenvectors": (layers, width, width)}
+    if (c.weights is None) != (c.layer_weights is None):
+        raise InvalidArtifactError(f"{kind}.layer_weights must be given exactly when the heads' effect weights are "
+                                   f"({'missing' if c.layer_weights is None else 'given without them'}); recalibrate "
+                                   "with layer_bases=True and fisher_tokens > 0.")
+    if c.layer_weights is not None:
+        expected[LAYER_WEIGHTS] = (layers, width)
     for name, shape in expected.items():
         t = getattr(c, name)
         if not isinstance(t, torch.Tensor):
@@ -731,6 +749,9 @@ def _check_layer_bases(kind: str, c: Components, layers: int, width: int) -> Non
         finite = torch.isfinite(t).reshape(layers, -1).all(-1)
         if not finite.all():
             raise InvalidArtifactError(f"{kind}.{name} at layer {int((~finite).nonzero()[0])}: holds NaN or Inf values.")
+    if c.layer_weights is not None and (c.layer_weights < 0).any():
+        raise InvalidArtifactError(f"{kind}.layer_weights at layer {int((c.layer_weights < 0).any(-1).nonzero()[0])}: "
+                                   "effect weights must be >= 0.")
     ev = c.layer_eigenvalues.double()
     tol = EIGENVALUE_RTOL * ev.abs().amax(-1, keepdim=True)
     for bad, what in (((ev < -tol).any(-1), "eigenvalues must be >= 0 (variances)"),

@@ -124,7 +124,8 @@ def calibrate(
                 hook.post_forward(attn, None)
 
     hooks = [m.register_forward_pre_hook(collect, with_kwargs=True) for m in modules]
-    fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=fisher_window) \
+    fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=fisher_window,
+                           layers=layer_bases) \
         if fisher_tokens else None
     capturing = fisher or contextlib.nullcontext()
     seen = sequences = 0
@@ -166,6 +167,8 @@ def calibrate(
         _sum_over_ranks([acc for part in (stats, layer_stats) for accs in part.values() for acc in accs])
         if fisher_tokens:
             fisher.keys, fisher.values = _sum_fisher_over_ranks(fisher.keys, fisher.values)
+            if layer_bases:
+                fisher.layer_keys, fisher.layer_values = _sum_fisher_over_ranks(fisher.layer_keys, fisher.layer_values)
             fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
     if seen < 2:
         raise ValueError("Calibration saw fewer than 2 tokens; pass more text (or a smaller sink_tokens).")
@@ -186,6 +189,9 @@ def calibrate(
             layer = {"layer_mean": torch.stack([p.mean[0] for p in per_layer]),
                      "layer_eigenvalues": torch.stack([p.eigenvalues[0] for p in per_layer]),
                      "layer_eigenvectors": torch.stack([p.eigenvectors[0] for p in per_layer])}
+            if fisher_tokens:
+                layer["layer_weights"] = effect_weights(getattr(fisher, f"layer_{kind}") / max(fisher.count, 1),
+                                                        layer["layer_eigenvectors"])
         parts[kind] = Components(
             mean=torch.stack([p.mean for p in pcas]),
             eigenvalues=eigenvalues,

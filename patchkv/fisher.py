@@ -90,15 +90,22 @@ class FisherCapture:
         with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=4, window=32) as fisher:
             fisher.step(input_ids, attention_mask, position_ids)    # one [1, seq] row at a time
         fisher.keys, fisher.values   # float64 [layers, kv_heads, head_dim, head_dim] sums; fisher.count tokens
+
+    With `layers=True` it also accumulates each layer's whole Fisher matrix over its KV heads concatenated,
+    `fisher.layer_keys`, `fisher.layer_values` float64 `[layers, D, D]` (D = kv_heads * head_dim; the per-head
+    matrices are its diagonal blocks), for the effect weights of layer bases.
     """
 
     def __init__(self, model: nn.Module, adapter: AttentionAdapter, modules: list[nn.Module], *, mode: str,
-                 sink_tokens: int, window: int):
+                 sink_tokens: int, window: int, layers: bool = False):
         self.model, self.adapter, self.modules = model, adapter, modules
         self.sink_tokens, self.window = sink_tokens, window
         heads, dim = adapter.num_kv_heads(modules[0]), adapter.head_dim(modules[0])
         self.keys = torch.zeros(len(modules), heads, dim, dim, dtype=torch.float64)
         self.values = torch.zeros_like(self.keys)
+        width = heads * dim
+        self.layer_keys = torch.zeros(len(modules), width, width, dtype=torch.float64) if layers else None
+        self.layer_values = torch.zeros_like(self.layer_keys) if layers else None
         self.count = 0
         self.row: dict[str, Any] | None = None  # the row being measured: masks and perturbations
         self._restore: list[tuple[nn.Module, Any]] = []
@@ -164,17 +171,21 @@ class FisherCapture:
             self.row = None
         keep = counted[0]
         for layer in range(len(self.modules)):
-            for store, g in ((self.keys, grads[2 * layer]), (self.values, grads[2 * layer + 1])):
+            for kind, g in (("keys", grads[2 * layer]), ("values", grads[2 * layer + 1])):
                 if g is None:
                     continue
                 g = g[0][:, keep.to(g.device)].double()                        # [kv_heads, n, head_dim]
-                store[layer] += (g.mT @ g).cpu()
+                getattr(self, kind)[layer] += (g.mT @ g).cpu()
+                whole = getattr(self, f"layer_{kind}")
+                if whole is not None:                                          # [n, kv_heads * head_dim]
+                    flat = g.transpose(0, 1).reshape(g.shape[1], -1)
+                    whole[layer] += (flat.T @ flat).cpu()
         self.count += int(keep.sum())
         return loss.item()
 
 
 def effect_weights(fisher: torch.Tensor, eigenvectors: torch.Tensor) -> torch.Tensor:
-    """w[l, h, j] = u_j^T F[l, h] u_j: fisher `[layers, heads, d, d]`, eigenvectors `[layers, heads, d, d]`
-    (column j = u_j) -> `[layers, heads, d]` float64."""
+    """w[..., j] = u_j^T F[...] u_j: fisher `[..., d, d]`, eigenvectors `[..., d, d]` (column j = u_j) ->
+    `[..., d]` float64 (per head: `[layers, heads, d]`; per layer: `[layers, D]`)."""
     u = eigenvectors.double()
-    return torch.einsum("lhij,lhik,lhkj->lhj", u, fisher.double(), u).clamp_min(0)
+    return torch.einsum("...ij,...ik,...kj->...j", u, fisher.double(), u).clamp_min(0)

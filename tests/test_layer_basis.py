@@ -11,7 +11,8 @@ from test_fast_decode import check_decode
 from test_reliability_artifact import read, write
 
 import patchkv
-from patchkv.allocation import kv_bytes_per_token, layer_bit_allocation, layer_effect_weights
+from patchkv.allocation import kv_bytes_per_token, layer_bit_allocation
+from patchkv.fisher import effect_weights
 from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError
 from patchkv.latent import LayerBasis
@@ -49,14 +50,19 @@ def test_each_heads_block_of_the_layer_covariance_is_that_heads_covariance(model
 
 def test_version_5_round_trips_with_and_without_step_scales(tmp_path, layered):
     tensors, meta = read(layered.save(tmp_path / "v5.safetensors"))
-    assert meta["format_version"] == 5 and "step_budgets" not in meta and len(tensors) == 16
+    assert meta["format_version"] == 5 and "step_budgets" not in meta and len(tensors) == 18
     back = Artifact.load(tmp_path / "v5.safetensors")
     assert torch.equal(back.keys.layer_eigenvectors, layered.keys.layer_eigenvectors.float())
     scaled = patchkv.steps.with_step_scales(layered, 1.5, 2.0, bits=24,
                                             pool="global")
     tensors, meta = read(scaled.save(tmp_path / "v5s.safetensors"))
     assert meta["format_version"] == 5 and meta["step_budgets"] == [{"bits": 24, "pool": "global"}]
-    assert len(tensors) == 18 and Artifact.load(tmp_path / "v5s.safetensors").step_budgets == [(24, "global")]
+    assert len(tensors) == 20 and Artifact.load(tmp_path / "v5s.safetensors").step_budgets == [(24, "global")]
+    plain = copy.deepcopy(layered)
+    plain.keys.weights = plain.values.weights = plain.keys.layer_weights = plain.values.layer_weights = None
+    tensors, meta = read(plain.save(tmp_path / "v5plain.safetensors"))
+    assert meta["format_version"] == 5 and len(tensors) == 14
+    assert Artifact.load(tmp_path / "v5plain.safetensors").keys.layer_weights is None
 
 
 @pytest.mark.parametrize("edit, fragment", [
@@ -67,6 +73,8 @@ def test_version_5_round_trips_with_and_without_step_scales(tmp_path, layered):
      "sorted in descending order"),
     (lambda t, m: t.update({"values.layer_mean": t["values.layer_mean"][:, :5].contiguous()}), "has shape"),
     (lambda t, m: m.update(step_budgets=[{"bits": 8, "pool": "head"}]), "missing ['keys.step_scales'"),
+    (lambda t, m: t.pop("keys.layer_weights"), "missing ['keys.layer_weights']"),
+    (lambda t, m: t.update({"values.layer_weights": -t["values.layer_weights"] - 1}), "effect weights must be >= 0"),
 ])
 def test_bad_layer_bases_are_refused(tmp_path, layered, edit, fragment):
     tensors, meta = read(layered.save(tmp_path / "a.safetensors"))
@@ -79,6 +87,7 @@ def test_bad_layer_bases_are_refused(tmp_path, layered, edit, fragment):
 def test_layer_bases_for_keys_only_are_refused(layered):
     broken = copy.deepcopy(layered)
     broken.values.layer_mean = broken.values.layer_eigenvalues = broken.values.layer_eigenvectors = None
+    broken.values.layer_weights = None
     with pytest.raises(ArtifactError, match="layer bases must be given for keys and values both"):
         broken.save("unused.safetensors")
 
@@ -135,14 +144,29 @@ def test_layer_codes_hold_exactly_their_bytes_and_approach_exact_at_full_rate(mo
     assert (coarse - reference).abs().max() > (full - reference).abs().max()
 
 
-def test_layer_effect_weights_are_the_per_head_weights_seen_along_layer_components(layered):
-    c = layered.keys
-    w = layer_effect_weights(c)
+def test_the_layer_fisher_matrix_holds_the_heads_fisher_matrices_as_its_diagonal_blocks(model, layered):
+    """Layer effect weights come from each layer's whole Fisher matrix (cross-head terms included), whose diagonal
+    blocks are the per-head matrices the heads' weights come from."""
+    from patchkv.adapters import adapter_for, attention_modules
+    from patchkv.fisher import FisherCapture
+
+    adapter = adapter_for(model)
+    modules = attention_modules(model, adapter)
+    ids = calibration_ids(2, 24, seed=4)
+    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=2, window=4, layers=True) as fisher:
+        for row in range(2):
+            one = ids[row:row + 1]
+            fisher.step(one, torch.ones_like(one), torch.arange(24)[None], torch.ones_like(one, dtype=torch.bool),
+                        torch.device("cpu"))
     heads, dim = layered.num_kv_heads, layered.head_dim
-    u = c.layer_eigenvectors[0, :, 3].double()
-    expect = sum(float((c.weights[0, h].double() * (c.eigenvectors[0, h].double().T @ u[h * dim:(h + 1) * dim]) ** 2)
-                       .sum()) for h in range(heads))
-    assert w.shape == c.layer_mean.shape and w[0, 3].item() == pytest.approx(expect, rel=1e-9)
+    for h in range(heads):
+        block = fisher.layer_keys[:, h * dim:(h + 1) * dim, h * dim:(h + 1) * dim]
+        assert torch.allclose(block, fisher.keys[:, h], rtol=1e-10, atol=1e-14)
+    assert fisher.layer_values.abs().sum() > 0
+    c = layered.keys
+    assert c.layer_weights.shape == c.layer_mean.shape and (c.layer_weights >= 0).all()
+    w = effect_weights(fisher.layer_keys, c.layer_eigenvectors)
+    assert w.shape == c.layer_weights.shape
 
 
 @pytest.mark.parametrize("options", [dict(bits=40), dict(sink_tokens=2, window=3, bits=40)])

@@ -17,10 +17,11 @@ Two bases (`basis`):
 - "head": each KV head's keys and values on its own PCA basis;
 - "layer": one basis per layer over its KV heads concatenated (`patchkv.latent.LayerBasis`, artifact format
   version 5, `calibrate(..., layer_bases=True)`): each token's code for a layer's keys is one latent that every head
-  reads through its rows of the basis, so what the heads share is coded once. Same bytes, lower error (SmolLM2 at
-  16x: perplexity +11/+10/+5% against +18/+14/+11% on per-head bases); a decode step reads each head's keys and
-  values from the whole layer latent (`kv_heads` times the components per head). Step scales are read for the
-  budget as for "head", averaged over each layer's heads (they were fitted on the per-head bases).
+  reads through its rows of the basis, so what the heads share is coded once (on SmolLM2: lower perplexity at the
+  same bytes, but more needles cut short on RULER at 16x; docs/results.md). A decode step reads each head's keys and
+  values from the whole layer latent (`kv_heads` times the components per head). The global pool weighs layer
+  components by the layer's whole Fisher matrix (artifact `layer_weights`). Step scales are read for the budget as
+  for "head", averaged over each layer's heads (they were fitted on the per-head bases).
 """
 
 from __future__ import annotations
