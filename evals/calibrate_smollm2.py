@@ -19,8 +19,9 @@ and window, on `--step-rows` sequences of `--step-seq` tokens from the ends of t
 and keeping the others (calibration is deterministic, so a full run gives the same files).
 
 Layer bases (artifact format version 5, for `Quantized(basis="layer")`) are calibrated with the per-head bases,
-on the same tokens. `--layer-bases-only` adds them to the artifacts already in `--out` (one calibration pass
-without effect weights or step fits; its per-head bases must agree with the file's, or nothing is written): the
+on the same tokens. `--layer-bases-only` adds them to the artifacts already in `--out` (one calibration pass with
+effect weights, without step fits; its per-head bases must agree with the file's, or nothing is written; the
+per-head effect weights in the file are kept, and how far the fresh ones differ is printed): the
 shipped pre-RoPE artifact got its layer bases so, `--layer-bases-only --modes pre_rope --threads 1`.
 
 The shipped pre-RoPE artifact's sets: 8x from `--step-budgets 8x --step-grid 1,1.25,1.5,1.75` (the first fit),
@@ -88,7 +89,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         file = Path(args.out) / f"{mode}.safetensors"
         if args.layer_bases_only:
-            artifact = with_layer_bases(patchkv.Artifact.load(file), calibrate(model, tokenizer, mode, args, 0))
+            artifact = with_layer_bases(patchkv.Artifact.load(file), calibrate(model, tokenizer, mode, args,
+                                                                               args.fisher_tokens))
             print(artifact.save(file), artifact)
             continue
         if args.steps_only:
@@ -123,7 +125,11 @@ def with_layer_bases(artifact: patchkv.Artifact, fresh: patchkv.Artifact) -> pat
         if not torch.allclose(mine.eigenvalues.double(), theirs.eigenvalues.double(), rtol=1e-3, atol=1e-6):
             raise SystemExit(f"the fresh calibration's {kind} spectra differ from the artifact's: not the same data "
                              "or settings; nothing written.")
-        for name in ("layer_mean", "layer_eigenvalues", "layer_eigenvectors"):
+        if mine.weights is not None:  # effect weights are a gradient statistic: report, do not require, agreement
+            change = (mine.weights.double() - theirs.weights.double()).abs() / mine.weights.double().abs().clamp_min(1e-12)
+            print(f"{kind} effect weights, fresh against the artifact's: median relative difference "
+                  f"{change.median().item():.2e}, max {change.max().item():.2e}", flush=True)
+        for name in ("layer_mean", "layer_eigenvalues", "layer_eigenvectors", "layer_weights"):
             setattr(mine, name, getattr(theirs, name))
     artifact.calibration["layer_bases"] = True
     return patchkv.Artifact(mode=artifact.mode, model=artifact.model, keys=artifact.keys, values=artifact.values,
