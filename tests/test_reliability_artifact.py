@@ -51,6 +51,16 @@ def write(file, tensors, meta, *, fix_checksum=True):
     return file
 
 
+def edited_refusal(tmp_path, artifact, edit) -> str:
+    """The message `Artifact.load` refuses `artifact` with once saved and its tensors and metadata passed through
+    `edit(tensors, meta)` (the checksum made consistent)."""
+    tensors, meta = read(artifact.save(tmp_path / "a.safetensors"))
+    edit(tensors, meta)
+    with pytest.raises(ArtifactError) as info:
+        Artifact.load(write(tmp_path / "b.safetensors", tensors, meta))
+    return str(info.value)
+
+
 def assert_load_refused(model, file, *fragments, sha256=None):
     x = calibration_ids(1, 10, seed=2)
     before = model(x).logits
