@@ -161,7 +161,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         artifact = calibrate(model, texts, tokenizer=tokenizer, mode=args.mode, rank=rank, energy=args.energy,
                              max_tokens=args.max_tokens, sink_tokens=args.sink_tokens, seq_len=args.seq_len,
                              fisher_tokens=args.fisher_tokens, fisher_window=args.window,
-                             source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
+                             layer_bases=args.layer_bases, source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
         artifact.calibration["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         if is_main_process():
             rows = _held_out_rows(texts, tokenizer, args.step_tokens)
@@ -301,7 +301,8 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(art)
     print(f"format version {art.format_version}; effect weights: "
           f"{'yes (quantized:pool=global available)' if art.has_effect_weights else 'no'}; step scales: "
-          f"{'yes' if art.has_step_scales else 'no'}")
+          f"{'yes' if art.has_step_scales else 'no'}; layer bases: "
+          f"{'yes (quantized:basis=layer available)' if art.has_layer_bases else 'no'}")
     local = expand_user(args.artifact)
     if local.exists():
         from .artifact import file_sha256
@@ -372,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=positive_int, default=512)
     c.add_argument("--fisher-tokens", type=non_negative_int, default=4096,
                    help="measure effect weights on this many tokens (the global bit pool needs them); 0 skips")
+    c.add_argument("--layer-bases", action="store_true",
+                   help="also calibrate one basis per layer over its KV heads (artifact version 5), for "
+                        "--method quantized:basis=layer")
     c.add_argument("--window", "--fisher-window", dest="window", type=non_negative_int, default=32,
                    help="recent tokens kept exact, for effect weights and step scales (the window you will apply)")
     c.add_argument("--budgets", type=budget_list, default="4x,8x,16x",  # patchkv.budgets.DEFAULT_BUDGETS

@@ -186,6 +186,7 @@ def test_info_prints_the_file_sha256(capsys):
     import hashlib
 
     code, out, _ = run_main(["info", PRE], capsys)
+    assert "layer bases: no" in out
     assert code == 0 and f"file sha256: sha256:{hashlib.sha256(Path(PRE).read_bytes()).hexdigest()}" in out
     code, _, err = run_main(["info", PRE, "--sha256", out.split("file sha256: ")[1].split()[0]], capsys)
     assert code == 0, err
@@ -214,7 +215,7 @@ def fake_calibration(monkeypatch, tiny_artifact):
     calls = []
 
     def calibrate(*a, **k):
-        calls.append(1)
+        calls.append(k)
         return tiny_artifact
 
     def bytes_tokenizer(text, add_special_tokens=False):
@@ -236,7 +237,9 @@ def test_calibrate_writes_where_out_says(tmp_path, capsys, fake_calibration, tin
         code, stdout, err = run_main(calibrate_argv(str(out)), capsys)
         assert code == 0 and f"wrote {file}" in stdout, err
         assert patchkv.Artifact.load(file).metadata() == tiny_artifact.metadata()
-    assert len(fake_calibration) == 2
+    assert len(fake_calibration) == 2 and not fake_calibration[0]["layer_bases"]
+    code, _, err = run_main([*calibrate_argv(str(tmp_path / "l.safetensors")), "--layer-bases"], capsys)
+    assert code == 0 and fake_calibration[-1]["layer_bases"], err
 
 
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
