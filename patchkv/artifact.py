@@ -91,13 +91,14 @@ head) unless all of the following hold, in this order:
 5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above, whose
    `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`,
    `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16,
-   bfloat16, float64; `calibration` an object; `step_budgets` (version 4) a non-empty list of distinct
-   objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
+   bfloat16, float64; `calibration` an object; `step_budgets` (version 4; version 5 when present) a non-empty
+   list of distinct objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or
+   "global");
    version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
 6. exactly the eight tensors (version 1), ten (version 2), ten or twelve (versions 3 and 4), or the six layer
-   tensors, the eight, and the weights and step scales where present (version 5, step scales exactly when
-   `step_budgets` is given), float32 and (ranks) int32, of the shapes above (step scales `[B, L, H]` with B the
-   number of budgets), agreeing with `model`;
+   tensors, the eight, the effect weights with the two layer weights where present, and the step scales exactly
+   when `step_budgets` is given (version 5), float32 and (ranks) int32, of the shapes above (step scales
+   `[B, L, H]` with B the number of budgets), agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
    max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
@@ -105,7 +106,8 @@ head) unless all of the following hold, in this order:
    round-off (negatives that small are clamped to 0 in memory; the file is not changed); effect weights,
    where present, >= 0 and given for keys and values both; step scales, where present, > 0 and given for
    keys and values both; layer bases, where present, given for keys and values both and held to the same
-   rules as the heads' (finite, eigenvalues sorted and >= 0, each layer's eigenvectors orthonormal).
+   rules as the heads' (finite, eigenvalues sorted and >= 0, each layer's eigenvectors orthonormal), with layer
+   weights >= 0 exactly when the heads have effect weights.
 
 In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
 file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
