@@ -126,7 +126,8 @@ def with_layer_bases(artifact: patchkv.Artifact, fresh: patchkv.Artifact) -> pat
             raise SystemExit(f"the fresh calibration's {kind} spectra differ from the artifact's: not the same data "
                              "or settings; nothing written.")
         if mine.weights is not None:  # effect weights are a gradient statistic: report, do not require, agreement
-            change = (mine.weights.double() - theirs.weights.double()).abs() / mine.weights.double().abs().clamp_min(1e-12)
+            old, new = mine.weights.double(), theirs.weights.double()
+            change = (old - new).abs() / old.abs().clamp_min(1e-12)
             print(f"{kind} effect weights, fresh against the artifact's: median relative difference "
                   f"{change.median().item():.2e}, max {change.max().item():.2e}", flush=True)
         for name in ("layer_mean", "layer_eigenvalues", "layer_eigenvectors", "layer_weights"):

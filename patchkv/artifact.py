@@ -750,7 +750,8 @@ def _check_layer_bases(kind: str, c: Components, layers: int, width: int) -> Non
             raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected float32 or float64.")
         finite = torch.isfinite(t).reshape(layers, -1).all(-1)
         if not finite.all():
-            raise InvalidArtifactError(f"{kind}.{name} at layer {int((~finite).nonzero()[0])}: holds NaN or Inf values.")
+            layer = int((~finite).nonzero()[0])
+            raise InvalidArtifactError(f"{kind}.{name} at layer {layer}: holds NaN or Inf values.")
     if c.layer_weights is not None and (c.layer_weights < 0).any():
         raise InvalidArtifactError(f"{kind}.layer_weights at layer {int((c.layer_weights < 0).any(-1).nonzero()[0])}: "
                                    "effect weights must be >= 0.")

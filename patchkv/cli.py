@@ -161,7 +161,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         artifact = calibrate(model, texts, tokenizer=tokenizer, mode=args.mode, rank=rank, energy=args.energy,
                              max_tokens=args.max_tokens, sink_tokens=args.sink_tokens, seq_len=args.seq_len,
                              fisher_tokens=args.fisher_tokens, fisher_window=args.window,
-                             layer_bases=args.layer_bases, source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
+                             layer_bases=args.layer_bases,
+                             source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
         artifact.calibration["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         if is_main_process():
             rows = _held_out_rows(texts, tokenizer, args.step_tokens)

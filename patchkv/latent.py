@@ -87,7 +87,8 @@ class LayerBasis(LatentBasis):
 
     def to(self, device: torch.device) -> LayerBasis:
         super().to(device)
-        self.float_layer_basis, self.float_layer_mean = self.float_layer_basis.to(device), self.float_layer_mean.to(device)
+        self.float_layer_basis = self.float_layer_basis.to(device)
+        self.float_layer_mean = self.float_layer_mean.to(device)
         return self
 
     def coefficients(self, x: torch.Tensor) -> torch.Tensor:
