@@ -184,7 +184,11 @@ class PackedCodec(Codec):
         return self
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        coeffs = self.basis.coefficients(x).to(self.stored_dtype)
+        return self.pack(self.basis.coefficients(x))
+
+    def pack(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """Coefficients `[batch, kv_heads, seq, max_rank]` -> stored `[batch, 1, seq, width]` (each head's kept ones)."""
+        coeffs = coeffs.to(self.stored_dtype)
         b, h, s, r = coeffs.shape
         flat = coeffs.transpose(1, 2).reshape(b, s, h * r)
         if not self.uniform:
