@@ -22,7 +22,6 @@ perplexity, change against unpatched on the same document, bytes per token held.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from patchkv.latent import LatentBasis
 from patchkv.methods import Quantized, SinksWindow
 from patchkv.methods.quantized import QuantizedCodec
 
-from .suite import ROOT, load_artifacts, load_smollm2, write_provenance
+from .suite import ROOT, load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
 
 WINDOWS = (8, 16, 32, 64, 128)
@@ -118,12 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                          "vs_unpatched_pct": round(100 * (ppl / base[task] - 1), 2),
                          "kv_bytes_per_token": round(scored.kv_bytes_per_token, 1)})
             print(rows[-1], flush=True)
-    path = Path(args.out) / "quantizer_variants.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    write_provenance(path)
+    write_csv(rows, Path(args.out) / "quantizer_variants.csv")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ change against unpatched on the same document, KV bytes per token.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ from patchkv.perplexity import token_nll
 from patchkv.quantize import GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
-from .suite import ROOT, load_artifacts, load_smollm2, write_provenance
+from .suite import ROOT, load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
 
 TASK_NAMES = ("ppl_prose", "ppl_shakespeare", "ppl_milton")
@@ -281,12 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                              "ppl": round(ppl, 4), "vs_unpatched_pct": round(100 * (ppl / base[task] - 1), 2),
                              "kv_bytes_per_token": round(held, 1)})
                 print(rows[-1], flush=True)
-    path = Path(args.out) / "scales_vq.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    write_provenance(path)
+    write_csv(rows, Path(args.out) / "scales_vq.csv")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ effect weight, and its figures are in smollm2_accuracy.csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from patchkv.allocation import allocate_bits_global
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
-from .suite import ROOT, load_smollm2, write_provenance
+from .suite import ROOT, load_smollm2, write_csv
 from .tasks import TASKS
 
 BUDGETS = (("4x", 249), ("8x", 119), ("16x", 55), ("32x", 23))  # bits per head at 4k, as evals/suite.py runs them
@@ -190,16 +189,6 @@ def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
                          "vs_unpatched": round(math.exp((nll - base_nll) / count) - 1, 5)})
             print(rows[-1], flush=True)
     write_csv(rows, path)
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    """`rows` to `path` with its provenance sidecar."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    write_provenance(path)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads,
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,17 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
 def load_artifacts(dtype: torch.dtype = torch.bfloat16, bases: Path = BASES) -> dict[str, patchkv.Artifact]:
     return {mode: patchkv.Artifact.load(bases / f"{mode}.safetensors").to_dtype(dtype)
             for mode in ("pre_rope", "post_rope")}
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """`rows` to the CSV `path` (columns from the first row), with its provenance sidecar."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_provenance(path)
+    print(f"wrote {path}")
+    return path
 
 
 def write_provenance(path: Path, extra: dict | None = None) -> Path:
