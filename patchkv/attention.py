@@ -14,6 +14,8 @@ adapter, and these changes:
    mean`;
 5. if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
    and attends exactly over sinks, those and the window;
+   if it has a salience method (`CodeError`, `KeyNorm`, `Novelty`), the middle tokens each KV head keeps exact are
+   read in place of their codes: written into the dense middle, or merged with the exact tokens of a decode step;
 6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
 
 Effect-weight calibration (`patchkv.fisher`) runs this same path (`attention_forward`) over a layer of its own that
@@ -115,7 +117,7 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidde
 def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:
     if cache is None:  # use_cache=False: a throwaway layer for this forward
         plan = lp.patch.plan
-        return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window)
+        return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, salience=plan.salience)
     if not isinstance(cache, LatentCache):
         raise PatchKVError(f"A patched model got a {type(cache).__name__}; it stores latents in a patchkv.LatentCache. "
                            "Pass cache=patchkv.LatentCache(model), or no cache (generate() makes one).")
@@ -149,35 +151,49 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     codes by the mode (`Mode.middle_attend`: keys rebuilt and rotated in registers, or scored in the latent space;
     a running softmax; value coefficients summed in the latent space), and the two are merged (log-sum-exp), the
     middle's values decoded once per query head: `U (sum_j p_j c_j) + (sum_j p_j) mean`. `chosen`: the middle cut
-    to each KV head's selected tokens by top-k (`select`; the mask is cut alike), attended exactly."""
+    to each KV head's selected tokens by top-k (`select`; the mask is cut alike), attended exactly. Salient tokens
+    (`Visible.salient_*`) join the exact ones with their own mask columns, and their codes are masked out of the
+    middle pass."""
     batch, heads = q.shape[:2]
     kv_heads = lp.keys.basis.heads
     mode = lp.patch.mode
     qg = q.float().reshape(batch, kv_heads, heads // kv_heads, -1)  # each KV head's query heads together
     ns, nm = seen.sink_keys.shape[2], seen.middle_len
-    # the exact tokens (sinks, top-k's chosen ones, window), as attention reads them
+    middle = chosen is None and nm > 0
+    salient = middle and seen.salient_len > 0  # each KV head's exact copies of middle tokens, read instead of codes
+    if salient:
+        chosen = (mode.exact_keys(lp, seen.salient_keys.float(), seen.salient_positions), seen.salient_values)
+    # the exact tokens (sinks, top-k's chosen or the salient ones, window), as attention reads them
     keys = [mode.exact_keys(lp, seen.sink_keys.float(), seen.sink_positions),
             chosen[0] if chosen is not None else None,
             mode.exact_keys(lp, seen.recent_keys.float(), seen.recent_positions)]
-    values = [seen.sink_values.float(), chosen[1] if chosen is not None else None, seen.recent_values.float()]
+    values = [seen.sink_values.float(), chosen[1].float() if chosen is not None else None, seen.recent_values.float()]
     keys, values = (torch.cat([x for x in xs if x is not None], dim=2) for xs in (keys, values))
     scores = grouped_scores(qg, keys).float() * scaling  # [batch, kv_heads, groups, exact]
-    middle = chosen is None and nm > 0
     bias = None
     if mask is not None:
-        m = _additive(mask[..., : keys.shape[2] + (nm if middle else 0)])  # the mask's columns for these tokens
+        ns_exact = keys.shape[2] - (seen.salient_len if salient else 0)  # sinks, top-k's chosen and window
+        m = _additive(mask[..., : ns_exact + (nm if middle else 0)])  # the mask's columns for these tokens
+        per_head = m.shape[1] > 1
+        m = m.view(m.shape[0], kv_heads, -1, m.shape[-1]) if per_head else m  # [batch, kv_heads or 1, groups or 1, n]
         if middle:
-            bias = m[:, :, 0, ns:ns + nm]  # [batch, 1 or heads, middle]
-            if bias.shape[1] == 1:
-                bias = bias[:, 0]
-            else:  # one mask per query head: each KV head's query heads must agree, the kernel reads one per KV head
-                per_kv = bias.view(bias.shape[0], kv_heads, -1, nm)
-                if not bool((per_kv == per_kv[:, :, :1]).all()):
-                    raise PatchKVError("a decode step over the latent middle takes one mask per KV head; this mask "
-                                       "differs between query heads that share a KV head.")
-                bias = per_kv[:, :, 0].contiguous()
-            m = torch.cat([m[..., :ns], m[..., ns + nm:]], dim=-1)
-        scores = scores + (m.view(m.shape[0], kv_heads, -1, m.shape[-1]) if m.shape[1] > 1 else m)
+            columns = m[..., ns:ns + nm]
+            bias = (columns[:, 0, 0] if not per_head else columns[:, :, 0]).contiguous()  # [batch, (kv_heads,) middle]
+            # one mask per query head: each KV head's query heads must agree, the kernel reads one per KV head
+            if per_head and not bool((columns == columns[:, :, :1]).all()):
+                raise PatchKVError("a decode step over the latent middle takes one mask per KV head; this mask "
+                                   "differs between query heads that share a KV head.")
+            exact = [m[..., :ns], m[..., ns + nm:]]
+            if salient:  # the salient tokens' own columns of the middle, per KV head
+                shape = (m.shape[0], kv_heads, m.shape[2])
+                exact = [exact[0].expand(*shape, -1), columns.expand(*shape, -1).gather(
+                    3, seen.salient_index.unsqueeze(2).expand(*shape, -1)), exact[1].expand(*shape, -1)]
+            m = torch.cat(exact, dim=-1)
+        scores = scores + m
+    if salient:  # the salient tokens' codes are not read: their exact copies stand in
+        hidden = torch.zeros(batch, kv_heads, nm, device=q.device) if bias is None else \
+            (bias if bias.dim() == 3 else bias.unsqueeze(1)).expand(batch, kv_heads, nm).clone()
+        bias = hidden.scatter_(2, seen.salient_index, torch.finfo(torch.float32).min)
     top = scores.amax(-1)
     if middle:  # one pass over the stored middle: its running max, sum of exp and value coefficient sums
         m_mid, l_mid, sums = mode.middle_attend(lp, seen, qg, bias, scaling)

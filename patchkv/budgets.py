@@ -17,12 +17,14 @@ import re
 from dataclasses import dataclass
 
 from .allocation import default_pool, full_kv_bytes_per_token, kv_bytes_per_token
-from .methods import Method, Quantized, SinksWindow
+from .methods import Method, Quantized, Salience, SinksWindow
 
 #: the sinks and recent window every budget keeps exact (and counts)
 EXACT = (4, 32)
 #: bytes of the int32 true position a LatentCache keeps per token
 POSITION_BYTES = 4
+#: bytes a salient token's middle index (int32) and score (float32) take per KV head, beside its exact key and value
+SALIENT_INDEX_BYTES = 8
 #: the budgets calibration fits step scales for when none are asked for
 DEFAULT_BUDGETS = ("4x", "8x", "16x")
 
@@ -32,21 +34,35 @@ def sixteen_bit_bytes(artifact) -> int:
     return full_kv_bytes_per_token(artifact, element_size=2)
 
 
+def salient_bytes(artifact, salience: Salience | None, middle: int) -> int:
+    """Bytes a `salience` method's exact tokens take over a middle of `middle` coded tokens: per KV head of every
+    layer, `capacity(middle)` keys and values in 16 bits with their index and score (a sliding-window layer keeps
+    none, so this is an upper bound for models that have them)."""
+    if salience is None:
+        return 0
+    per_head = 2 * artifact.head_dim * 2 + SALIENT_INDEX_BYTES
+    return salience.capacity(middle) * per_head * artifact.num_layers * artifact.num_kv_heads
+
+
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
-                   window: int = EXACT[1], basis: str = "head") -> int:
-    """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` whose
-    whole cache at `context` tokens (exact sinks and window in 16 bits, codes, positions) holds at most the 16-bit
-    cache's bytes / `ratio` per token. Raises ValueError if even 1 bit per head does not fit."""
+                   window: int = EXACT[1], basis: str = "head", salience: Salience | None = None) -> int:
+    """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
+    `salience`'s exact tokens) whose whole cache at `context` tokens (exact sinks and window in 16 bits, codes, the
+    salient tokens, positions) holds at most the 16-bit cache's bytes / `ratio` per token. Raises ValueError if even
+    1 bit per head does not fit."""
     full = sixteen_bit_bytes(artifact)
     exact = min(sink_tokens + window, context)
+    salient = salient_bytes(artifact, salience, context - exact)
 
     def total(bits: int) -> float:
-        return (exact * full + (context - exact) * kv_bytes_per_token(artifact, bits, pool, basis)) / context + POSITION_BYTES
+        codes = (context - exact) * kv_bytes_per_token(artifact, bits, pool, basis)
+        return (exact * full + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
-        raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {sink_tokens} sinks and a "
-                         f"{window}-token window kept exact: they alone take {total(1):.0f} bytes per token of the "
-                         f"{full / ratio:.0f} allowed; use a longer context or a smaller ratio.")
+        kept = f"{sink_tokens} sinks and a {window}-token window" + (f" and {salience.spec()}" if salience else "")
+        raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {kept} kept exact: they alone "
+                         f"take {total(1):.0f} bytes per token of the {full / ratio:.0f} allowed; use a longer "
+                         "context, a smaller ratio or a smaller salient fraction.")
     low, high = 1, artifact.head_dim * 8
     while low < high:
         mid = (low + high + 1) // 2
@@ -57,25 +73,28 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
 @dataclass(frozen=True)
 class Budget:
     """A compression target: `ratio` against the 16-bit cache, or `bits` per KV head and token; `pool` None picks
-    the global pool when the artifact has effect weights; `basis` "head" or "layer" (`Quantized`'s)."""
+    the global pool when the artifact has effect weights; `basis` "head" or "layer" (`Quantized`'s); `salience` a
+    `Salience` method whose exact tokens the ratio pays for too (the codes get what is left)."""
 
     ratio: float | None = None
     bits: int | None = None
     pool: str | None = None
     basis: str = "head"
+    salience: Salience | None = None
 
     def __str__(self) -> str:
         return f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
 
     def quantized(self, artifact, context: int) -> Quantized:
         pool = self.pool or default_pool(artifact)
-        bits = self.bits if self.bits is not None else bits_for_ratio(artifact, self.ratio, pool=pool, context=context,
-                                                                      basis=self.basis)
+        bits = self.bits if self.bits is not None else bits_for_ratio(
+            artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience)
         return Quantized(bits, pool=pool, basis=self.basis)
 
     def methods(self, artifact, context: int) -> list[Method]:
-        """[SinksWindow(*EXACT), Quantized(bits, pool)] meeting this budget at `context` tokens."""
-        return [SinksWindow(*EXACT), self.quantized(artifact, context)]
+        """[SinksWindow(*EXACT), Quantized(bits, pool)] (and the salience method) meeting this budget at `context`
+        tokens."""
+        return [SinksWindow(*EXACT), self.quantized(artifact, context), *([self.salience] if self.salience else [])]
 
 
 def parse_budget(text: str) -> Budget:

@@ -6,8 +6,13 @@ pre-RoPE mode, rotated in post-RoPE mode):
     sink_keys, sink_values       [batch, kv_heads, sinks, head_dim]    exact
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
+    salient_keys, salient_values [batch, kv_heads, s, head_dim]        exact copies of middle tokens (Salience)
+    salient_index, salient_score [batch, kv_heads, s, 1]               their middle index (int32), score (float32)
 
-Unused regions are zero-sized, so there is one layout and one code path. A forward's own tokens are read
+Unused regions are zero-sized, so there is one layout and one code path. A plan with a `Salience` method keeps,
+per KV head, the middle tokens it scores highest exact as well (scored as they leave the window, the best
+`capacity(middle)` so far); attention reads those in place of their codes (`dense`, and the decode step's exact
+tokens). A forward's own tokens are read
 exact, as transformers' `QuantizedCache` does, and so is the window of `window` tokens before them.
 
 The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
@@ -42,11 +47,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .context import LayerPatch
 from .errors import PatchKVError
+from .methods import Salience
 from .modes import Visible, rebuild
 
 #: the middle's buffer grows by this many tokens at a time
 PAGE = 64
-REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values")
+SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score")
+REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT)
 
 
 class PositionTrack:
@@ -87,7 +94,7 @@ class LatentLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, patch: LayerPatch, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
-                 track: PositionTrack | None = None):
+                 track: PositionTrack | None = None, salience: Salience | None = None):
         # CacheLayerMixin.__init__ would assign .keys/.values, which are read-only views here
         self.is_initialized = False
         self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
@@ -96,6 +103,7 @@ class LatentLayer(CacheLayerMixin):
         self.window = window if sliding_window is None else min(window, sliding_window - 1)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        self.salience = None if self.is_sliding else salience  # a sliding layer keeps only its last tokens
         self.track = track if track is not None else PositionTrack()
         self.tensors: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # the middle's storage, `tensors` its first tokens
@@ -129,7 +137,10 @@ class LatentLayer(CacheLayerMixin):
                                "new cache (generate() makes one), or change the dtype before writing it.")
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
-            self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS if not name.startswith("latent")}
+            self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS[:6] if not name.startswith("latent")}
+            self.tensors.update(salient_keys=empty["keys"], salient_values=empty["values"],
+                                salient_index=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.int32),
+                                salient_score=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.float32))
             for name, codec in zip(("latent_keys", "latent_values"), (self.patch.keys, self.patch.values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
@@ -155,11 +166,33 @@ class LatentLayer(CacheLayerMixin):
 
     def _encode(self, leaving: int) -> None:
         t = self.tensors
-        if leaving > 0:
-            for kind in ("keys", "values"):
-                encoded = getattr(self.patch, kind).encode(t[f"recent_{kind}"][:, :, :leaving])
-                self._grow(f"latent_{kind}", encoded)
-                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
+        start = self.middle_len
+        exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
+        stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)]
+        if self.salience is not None:
+            with torch.profiler.record_function("patchkv::salience"):
+                self._keep_salient(*exact, stored, start)
+        for kind, encoded in zip(("keys", "values"), stored):
+            self._grow(f"latent_{kind}", encoded)
+            t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
+
+    def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor], start: int) -> None:
+        """Tokens entering the middle at index `start`, exact `[batch, kv_heads, n, head_dim]` and as stored: each KV
+        head keeps the `capacity` best scored of the exact tokens it held and these (kept in middle order)."""
+        t = self.tensors
+        n = keys.shape[2]
+        capacity = self.salience.capacity(start + n)
+        if capacity == 0:
+            return
+        score = self.salience.score(self.patch, keys, values, tuple(stored)).unsqueeze(-1)
+        index = torch.arange(start, start + n, dtype=torch.int32, device=keys.device)
+        index = index.view(1, 1, n, 1).expand(*keys.shape[:2], n, 1)
+        held = {name: torch.cat([t[name], new], dim=2) for name, new in zip(
+            SALIENT, (keys, values, index, score.to(torch.float32)))}
+        if held["salient_score"].shape[2] > capacity:
+            best = held["salient_score"].squeeze(-1).topk(capacity, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
+            held = {name: x.gather(2, best.expand(-1, -1, -1, x.shape[-1])) for name, x in held.items()}
+        t.update(held)
 
     def _grow(self, name: str, new: torch.Tensor) -> None:
         """Append `new` `[batch, 1, n, width]` to the middle `name`, held as the first tokens of a buffer that
@@ -174,6 +207,19 @@ class LatentLayer(CacheLayerMixin):
             self.buffers[name] = buffer
         buffer[:, :, n:total] = new
         self.tensors[name] = buffer[:, :, :total]
+
+    def _drop_salient_past(self, middle: int) -> None:
+        """After a crop: exact tokens whose middle index is no longer held go. Every KV head keeps as many as the one
+        that kept the fewest (its best by score); the others are read from their codes again."""
+        t = self.tensors
+        valid = t["salient_index"].squeeze(-1) < middle
+        if bool(valid.all()):
+            return
+        keep = int(valid.sum(-1).min())
+        score = t["salient_score"].squeeze(-1).masked_fill(~valid, float("-inf"))
+        best = score.topk(keep, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
+        for name in SALIENT:
+            t[name] = t[name].gather(2, best.expand(-1, -1, -1, t[name].shape[-1]))
 
     def _keep_last(self, n: int) -> None:
         """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, so the
@@ -208,8 +254,13 @@ class LatentLayer(CacheLayerMixin):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
         ns, nr = t["sink_keys"].shape[2], t["recent_keys"].shape[2]
         sink_pos, middle_pos, recent_pos = self._positions(kept).split([ns, kept - ns - nr, nr], dim=1)
-        return Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
+        seen = Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
                        t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, recent_pos)
+        if t["salient_keys"].shape[2]:
+            index = t["salient_index"].squeeze(-1).long()
+            seen.salient_keys, seen.salient_values, seen.salient_index = t["salient_keys"], t["salient_values"], index
+            seen.salient_positions = middle_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
+        return seen
 
     def _positions(self, kept: int) -> torch.Tensor:
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
@@ -222,6 +273,10 @@ class LatentLayer(CacheLayerMixin):
     @property
     def middle_len(self) -> int:
         return self.tensors["latent_keys"].shape[2] if self.tensors else 0
+
+    @property
+    def salient_len(self) -> int:
+        return self.tensors["salient_keys"].shape[2] if self.tensors else 0
 
     @property
     def window_len(self) -> int:
@@ -239,6 +294,8 @@ class LatentLayer(CacheLayerMixin):
         codec = getattr(self.patch, kind)
         t = self.tensors
         middle = rebuild(codec, t[f"latent_{kind}"].squeeze(1), t[f"sink_{kind}"].dtype)
+        if t["salient_keys"].shape[2]:
+            middle = overlay(middle, t[f"salient_{kind}"], t["salient_index"].squeeze(-1).long())
         full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
         if kind == "keys":
             full = self.patch.patch.mode.cached_keys_as_rotated(self.patch, full, self._positions(self.kept))
@@ -322,6 +379,7 @@ class LatentLayer(CacheLayerMixin):
                 for kind in ("keys", "values"):
                     self.tensors[f"{region}_{kind}"] = self.tensors[f"{region}_{kind}"][:, :, :-n]
                 remove -= n
+        self._drop_salient_past(self.middle_len)
         self.cumulative_length -= min(-tokens_to_remove, self.cumulative_length)
         if self.is_sliding:
             self._keep_last(self.sliding_window - 1)
@@ -357,7 +415,8 @@ class LatentCache(Cache):
                                "first (an unpatched model uses transformers' DynamicCache).")
         self.track = PositionTrack()
         plan = patch.plan
-        layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track) for lp in patch.layers]
+        layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track, plan.salience)
+                  for lp in patch.layers]
         super().__init__(layers=layers)
         self.offload_layers = offloading
         self.fingerprint = patch.fingerprint
@@ -424,7 +483,8 @@ class LatentCache(Cache):
                  f"({self.allocated_nbytes()} allocated)"]
         for i, layer in enumerate(self.layers):
             kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
-            lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}, "
+            salient = f" ({layer.salient_len} per KV head also exact)" if layer.salient_len else ""
+            lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}{salient}, "
                          f"window {layer.window_len}, {layer.nbytes()} bytes")
         return "\n".join(lines)
 
@@ -439,12 +499,22 @@ def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
         middle_keys, middle_values = (x.to(dtype) for x in chosen)
     elif seen.middle_len:
         middle_keys, middle_values = mode.middle_keys(lp, seen, dtype), rebuild(lp.values, seen.middle_values, dtype)
+        if seen.salient_len:  # each KV head's exact tokens in place of their codes
+            salient_keys = mode.exact_keys(lp, seen.salient_keys.to(dtype), seen.salient_positions)
+            middle_keys = overlay(middle_keys, salient_keys, seen.salient_index)
+            middle_values = overlay(middle_values, seen.salient_values.to(dtype), seen.salient_index)
     else:
         middle_keys = middle_values = None
     keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys,
             mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
     values = [seen.sink_values.to(dtype), middle_values, seen.recent_values.to(dtype)]
     return _joined(keys), _joined(values)
+
+
+def overlay(middle: torch.Tensor, exact: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The middle `[batch, kv_heads, m, head_dim]` with each KV head's tokens at `index` `[batch, kv_heads, s]`
+    replaced by `exact` `[batch, kv_heads, s, head_dim]` (a new tensor)."""
+    return middle.scatter(2, index.unsqueeze(-1).expand(-1, -1, -1, middle.shape[-1]), exact.to(middle.dtype))
 
 
 def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor:

@@ -12,23 +12,26 @@ over the codes, laid out byte column by byte column (each column holds the same 
 takes back what the fixed rate spends on unlikely levels. Only packed codes (uint8 middles) are compressed; the
 exact sinks and window, low-rank latents and positions are stored as they are.
 
-Format (version 1)
+Format (version 2)
 ==================
 One safetensors file. Tensors, for each layer `i` and each region `r` of `patchkv.cache.REGIONS`:
 
     positions          int32 [batch, seen]      true position of every token (the cache's position track)
-    layers.{i}.{r}     the region as held       encoding "raw"
+    layers.{i}.{r}     the region as held       encoding "raw" (the salient regions of a `Salience` method:
+                                                exact keys and values, int32 middle index, float32 score, each
+                                                `[batch, kv_heads, s, ...]`; zero-sized without one)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
 
-The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 1; `fingerprint`, the
+The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 2; `fingerprint`, the
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
 and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
 
 `load_cache` reads tensors and JSON only (nothing is executed) and raises `PatchKVError` naming what differs
-unless: the entry is there at version 1; the fingerprint is the model's patch's (the same artifact and methods);
-the layer count is the patch's; every region is present with its declared shape and dtype, each layer's regions
-agree on the batch and hold at most the tokens it has seen, and the position track covers every layer; deflated
+unless: the entry is there at version 2 (or 1, written before the salient regions existed: read with none); the
+fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every region is present with its declared shape and dtype, each layer's regions
+agree on the batch and hold at most the tokens it has seen, its salient regions agree on their count and
+point into its middle, and the position track covers every layer; deflated
 regions inflate to exactly their declared bytes with their crc32.
 """
 
@@ -43,11 +46,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import REGIONS, LatentCache
+from .cache import REGIONS, SALIENT, LatentCache
 from .errors import PatchKVError
 
 FORMAT = "patchkv_cache"
-VERSION = 1
+VERSION = 2
+#: versions load_cache reads: 1 has no salient regions
+READABLE = (1, 2)
 ENCODINGS = ("raw", "deflate")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int32, torch.float32, torch.float16,
                                                       torch.bfloat16, torch.float64)}
@@ -128,13 +133,15 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
         regions = entry.get("regions")
         if not regions:
             continue
-        if set(regions) != set(REGIONS):
-            raise PatchKVError(f"{path}: layer {i} holds regions {sorted(regions)}, expected {list(REGIONS)}.")
-        held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in REGIONS}
+        expected = REGIONS if meta["format_version"] == 2 else REGIONS[:len(REGIONS) - len(SALIENT)]
+        if set(regions) != set(expected):
+            raise PatchKVError(f"{path}: layer {i} holds regions {sorted(regions)}, expected {list(expected)}.")
+        held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in expected}
         if len({t.shape[0] for t in held.values()}) != 1 or \
                 sum(held[n].shape[2] for n in ("sink_keys", "latent_keys", "recent_keys")) > entry["cumulative_length"]:
             raise PatchKVError(f"{path}: layer {i}'s regions disagree on the batch or hold more tokens than the "
                                f"{entry['cumulative_length']} it has seen.")
+        held.update(_salient(path, i, held))
         batch = held["sink_keys"].shape[0]
         layer.tensors = {name: t.to(device) for name, t in held.items()}
         layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
@@ -155,7 +162,7 @@ def _metadata(path: Path, text: str | None) -> dict:
         meta = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
         raise PatchKVError(f"{path}: its {FORMAT!r} metadata is not valid JSON ({e}).") from e
-    if not isinstance(meta, dict) or meta.get("format_version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format_version") not in READABLE:
         found = meta.get("format_version") if isinstance(meta, dict) else type(meta).__name__
         raise PatchKVError(f"{path}: cache file format version {found!r}, this patchkv reads version {VERSION}; "
                            "save the cache again with this version.")
@@ -165,6 +172,28 @@ def _metadata(path: Path, text: str | None) -> dict:
         raise PatchKVError(f"{path}: its metadata needs a string 'fingerprint' and 'layers' as objects with "
                            "'cumulative_length' (int >= 0) and 'regions'.")
     return meta
+
+
+def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer `i`'s salient regions, checked: as many exact keys, values, indices and scores, each KV head's
+    indices inside the middle; empty ones for a version 1 file."""
+    keys = held["sink_keys"]
+    if "salient_keys" not in held:
+        return {"salient_keys": keys[:, :, :0], "salient_values": held["sink_values"][:, :, :0],
+                "salient_index": torch.zeros(*keys.shape[:2], 0, 1, dtype=torch.int32),
+                "salient_score": torch.zeros(*keys.shape[:2], 0, 1, dtype=torch.float32)}
+    sal = {name: held[name] for name in SALIENT}
+    shapes = {name: tuple(t.shape) for name, t in sal.items()}
+    count = sal["salient_keys"].shape[:3]
+    index = sal["salient_index"]
+    if any(t.shape[:3] != count for t in sal.values()) or sal["salient_keys"].shape != sal["salient_values"].shape \
+            or count[:2] != keys.shape[:2] or index.shape[3] != 1 or sal["salient_score"].shape[3] != 1 \
+            or index.dtype != torch.int32 or sal["salient_score"].dtype != torch.float32 \
+            or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < held["latent_keys"].shape[2])):
+        raise PatchKVError(f"{path}: layer {i}'s salient regions {shapes} do not describe exact copies of its middle "
+                           f"tokens (one int32 index into the {held['latent_keys'].shape[2]} middle tokens and one "
+                           "float32 score each); the file is damaged.")
+    return sal
 
 
 def _region(path: Path, tensors: dict[str, torch.Tensor], name: str, entry: dict) -> torch.Tensor:

@@ -195,8 +195,9 @@ def test_decode_attention_in_every_family(family, mode, monkeypatch):
     check_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3), monkeypatch)
 
 
-def check_decode(family, attn, mode, options, monkeypatch, layer=False):
-    """`layer`: the options' `bits` as `Quantized(bits, basis="layer")` codes (`test_layer_basis`)."""
+def check_decode(family, attn, mode, options, monkeypatch, layer=False, extra=()):
+    """`layer`: the options' `bits` as `Quantized(bits, basis="layer")` codes (`test_layer_basis`); `extra`: methods
+    beside the options (`test_salience`)."""
     model = make_model(family, attn)
     rank = model.model.layers[0].self_attn.head_dim // 2
     art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False, layer_bases=layer)
@@ -204,6 +205,7 @@ def check_decode(family, attn, mode, options, monkeypatch, layer=False):
     if layer:
         options = dict(options)
         methods = [patchkv.Quantized(options.pop("bits"), basis="layer")]
+    methods = [*methods, *extra]
     ids = calibration_ids(2, 30, seed=9)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # the second row left-padded

@@ -10,14 +10,18 @@ import dataclasses
 import typing
 from collections.abc import Iterable
 
-from .base import CachePlan, CodecMethod, Method, Selector
+from .base import CachePlan, CodecMethod, Method, Salience, Selector
+from .code_error import CodeError
+from .key_norm import KeyNorm
 from .lowrank import LowRank
+from .novelty import Novelty
 from .quantized import Quantized
 from .sinks_window import SinksWindow
 from .topk import TopK
 
 #: name -> method class; `patchkv eval --method NAME:field=value,...` and the evals look methods up here.
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (LowRank, Quantized, SinksWindow, TopK)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (CodeError, KeyNorm, LowRank, Novelty, Quantized,
+                                                               SinksWindow, TopK)}
 
 
 def parse_method(spec: str) -> Method:
@@ -68,11 +72,14 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
         if m.role in seen:
             raise ValueError(f"Two {m.role} methods given ({seen[m.role].spec()} and {m.spec()}); pass one.")
         seen[m.role] = m
+    if "salience" in seen and "selection" in seen:
+        raise ValueError(f"{seen['salience'].spec()} and {seen['selection'].spec()} cannot be combined: a decode step "
+                         "reads either the chosen tokens or the exact salient ones; pass one of them.")
     plan = CachePlan(codec=LowRank(), methods=methods)
     for m in methods:
         plan = m.configure(plan)
     return plan
 
 
-__all__ = ["METHODS", "CachePlan", "CodecMethod", "LowRank", "Method", "Quantized", "Selector", "SinksWindow",
-           "TopK", "build_plan", "from_options", "parse_method"]
+__all__ = ["METHODS", "CachePlan", "CodeError", "CodecMethod", "KeyNorm", "LowRank", "Method", "Novelty", "Quantized",
+           "Salience", "Selector", "SinksWindow", "TopK", "build_plan", "from_options", "parse_method"]

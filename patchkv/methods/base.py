@@ -4,7 +4,9 @@ A plan says what the cache stores and how attention reads it:
 
 - `codec`: how the latent middle is stored (one per plan): `LowRank` floats or `Quantized` DP codes;
 - `sink_tokens` / `window`: the first and the last tokens kept as exact K/V (`SinksWindow`);
-- `selector`: decode-time token selection over the latent middle (`TopK`).
+- `selector`: decode-time token selection over the latent middle (`TopK`);
+- `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`CodeError`,
+  `KeyNorm`; `Salience`).
 
 A new method is one file in this folder: a dataclass subclassing `Method` with a `name`, validated fields
 and `configure`, registered in `patchkv/methods/__init__.py`. The CLI and the evals read that registry.
@@ -21,6 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..artifact import Artifact
+    from ..context import LayerPatch
     from ..latent import Codec
 
 
@@ -78,6 +81,39 @@ class Selector(Method):
 
 
 @dataclass(frozen=True)
+class Salience(Method):
+    """A method that keeps a `fraction` of each KV head's middle tokens exact beside their codes: the tokens its
+    `score` ranks highest among those the head has coded. Tokens are scored once, as they leave the window (the
+    whole prefill at once, one token per decode step); each full-attention layer keeps, per KV head, the
+    `capacity(middle)` best seen so far (a newcomer that scores above the lowest displaces it, which is then read
+    from its codes again). Attention reads a kept token's exact key and value in place of its codes; the cache
+    counts their bytes, their middle index (int32) and their score (float32). Sliding-window layers keep none."""
+
+    role = "salience"
+    fraction: float = 1 / 64
+
+    def __post_init__(self):
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) < 1.0:
+            raise ValueError(f"{self.name}: fraction must be a number in (0, 1), got {fraction!r}.")
+        object.__setattr__(self, "fraction", float(fraction))
+
+    def capacity(self, middle: int) -> int:
+        """Exact tokens each KV head keeps over a middle of `middle` coded tokens."""
+        return int(self.fraction * middle)
+
+    def score(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor]
+              ) -> torch.Tensor:
+        """Tokens leaving the window: keys and values `[batch, kv_heads, n, head_dim]` exact in cache space, and
+        their codes as stored (`[batch, 1, n, width]` keys and values) -> float32 `[batch, kv_heads, n]`, higher kept
+        first."""
+        raise NotImplementedError
+
+    def configure(self, plan: CachePlan) -> CachePlan:
+        return replace(plan, salience=self)
+
+
+@dataclass(frozen=True)
 class CachePlan:
     """What `patchkv.apply` assembled from its methods; read by `LatentCache` and the patched attention."""
 
@@ -85,6 +121,7 @@ class CachePlan:
     sink_tokens: int = 0
     window: int = 0
     selector: Selector | None = None
+    salience: Salience | None = None
     methods: tuple[Method, ...] = field(default=())
 
     @property

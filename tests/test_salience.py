@@ -1,0 +1,152 @@
+"""Salience methods (`CodeError`, `KeyNorm`): a fraction of each KV head's middle kept exact beside its codes.
+
+Exact at full precision in every family and mode; the kept tokens are the best scored and are read exact by both
+attention paths (dense operands and decode steps); their bytes are counted and budgets pay for them; saved caches
+keep them; generation modes that reorder, crop or batch the cache keep them consistent.
+"""
+
+import pytest
+import torch
+from conftest import calibration_ids, make_model
+from test_fast_decode import check_decode
+
+import patchkv
+from patchkv.budgets import Budget, salient_bytes, sixteen_bit_bytes
+from patchkv.methods import build_plan, parse_method
+
+SCORERS = [patchkv.CodeError, patchkv.KeyNorm, patchkv.Novelty]
+
+
+def lossy(family="llama", mode="pre_rope", dtype=torch.float32):
+    model = make_model(family, dtype=dtype)
+    rank = model.model.layers[0].self_attn.head_dim // 2
+    return model, patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False)
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_full_rank_with_salience_generates_as_unpatched(family, mode, scorer):
+    model = make_model(family)
+    dim = model.model.layers[0].self_attn.head_dim
+    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=dim, progress=False)
+    ids = calibration_ids(2, 24, seed=3)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    reference = model.generate(ids, **kwargs)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), scorer(0.25)]):
+        assert torch.equal(model.generate(ids, **kwargs), reference)
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_kept_tokens_are_the_best_scored_and_read_exact(scorer):
+    """One prefill (post-RoPE, so cache space is what the unpatched model caches): each KV head keeps the
+    `capacity` tokens of the middle its scorer ranks highest, and the cache's view of the middle is their exact
+    keys and values there and the codes' reconstruction elsewhere."""
+    model, art = lossy(mode="post_rope")
+    ids = calibration_ids(1, 40, seed=4)
+    plain = model(ids, use_cache=True).past_key_values
+    method = scorer(0.25)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), method]):
+        cache = model(ids, use_cache=True).cache
+        for i, layer in enumerate(cache.layers):
+            middle = slice(2, 37)
+            keys, values = plain.layers[i].keys[:, :, middle], plain.layers[i].values[:, :, middle]
+            lp = layer.patch
+            stored = (lp.keys.encode(keys), lp.values.encode(values))
+            expected = method.score(lp, keys, values, stored).topk(method.capacity(35), dim=-1).indices.sort(-1).values
+            index = layer.tensors["salient_index"].squeeze(-1).long()
+            assert layer.salient_len == 8 and torch.equal(index, expected)
+            for view, exact in ((layer.keys, keys), (layer.values, values)):
+                got = view[:, :, middle]
+                kept = torch.zeros(got.shape[:3], dtype=torch.bool).scatter_(2, index, True)
+                assert torch.allclose(got[kept], exact[kept], atol=1e-6)
+                assert (got[~kept] - exact[~kept]).abs().max() > 1e-3  # the rest is read from lossy codes
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_decode_steps_read_the_kept_tokens_exact_in_every_family(family, mode, scorer, monkeypatch):
+    """A decode step (kept tokens merged with sinks and window, their codes masked out of the middle) gives the
+    logits of the model's attention function over the dense middle with the kept tokens written in, left padding
+    included."""
+    check_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3, bits=40), monkeypatch, extra=(scorer(0.3),))
+
+
+@pytest.mark.parametrize("attn,layer", [("eager", False), ("sdpa", True)], ids=["eager", "layer-bases"])
+def test_decode_with_eager_attention_and_layer_bases(mode, attn, layer, monkeypatch):
+    check_decode("llama", attn, mode, dict(sink_tokens=2, window=3, bits=40), monkeypatch, layer=layer,
+                 extra=(patchkv.CodeError(0.3),))
+
+
+def test_decode_steps_displace_the_lowest_and_sliding_layers_keep_none():
+    model, art = lossy("gemma3")
+    ids = calibration_ids(1, 30, seed=5)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), patchkv.CodeError(0.25)]):
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        sliding, full = out.past_key_values.layers
+        assert sliding.is_sliding and sliding.salient_len == 0
+        middle = full.middle_len
+        assert full.salient_len == int(0.25 * middle)
+        index = full.tensors["salient_index"].squeeze(-1)
+        assert bool((index < middle).all()) and bool((index.diff(dim=-1) > 0).all())  # distinct, in middle order
+
+
+def test_bytes_are_counted_and_budgets_pay_for_them():
+    model, art = lossy(dtype=torch.bfloat16)
+    art = art.to_dtype(torch.bfloat16)
+    context = 400
+    method = patchkv.CodeError(1 / 16)
+    plain = Budget(ratio=4, pool="head").methods(art, context)
+    salient = Budget(ratio=4, pool="head", salience=method).methods(art, context)
+    assert salient[-1] == method and salient[1].bits < plain[1].bits  # the codes get what the kept tokens leave
+    ids = calibration_ids(1, context, seed=6)
+    with patchkv.patched(model, art, salient):
+        cache = model(ids, use_cache=True).cache
+    kept = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items() if name.startswith("salient"))
+    assert kept == salient_bytes(art, method, context - 4 - 32) > 0
+    assert cache.nbytes() == sum(t.nbytes for layer in cache.layers for t in layer.tensors.values()) + context * 4
+    assert cache.nbytes() / context <= sixteen_bit_bytes(art) / 4
+
+
+def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent():
+    model, art = lossy()
+    ids = calibration_ids(2, 40, seed=7)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), patchkv.CodeError(0.25)]):
+        cache = model(ids, use_cache=True).cache
+        cache.reorder_cache(torch.tensor([1, 0]))
+        cache.crop(-12)  # back into the middle: kept tokens past its end go
+        for layer in cache.layers:
+            assert bool((layer.tensors["salient_index"] < layer.middle_len).all()) and layer.salient_len > 0
+        more = model(ids[:, :5], cache=cache, use_cache=True).logits
+        assert torch.isfinite(more).all()
+        cache.batch_select_indices(torch.tensor([1]))
+        assert all(t.shape[0] == 1 for layer in cache.layers for t in layer.tensors.values())
+        beams = model.generate(ids[:1], max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+        assert beams.shape == (1, 46)
+
+
+def test_methods_parse_and_refuse_what_does_not_fit():
+    assert parse_method("code_error:fraction=0.05") == patchkv.CodeError(0.05)
+    assert patchkv.KeyNorm(0.1).spec() == "key_norm:fraction=0.1"
+    for fraction in (0, 1, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match="fraction"):
+            patchkv.CodeError(fraction)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        build_plan([patchkv.CodeError(0.1), patchkv.TopK(8)])
+    _, art = lossy()
+    with pytest.raises(ValueError, match="salient fraction"):
+        Budget(ratio=32, salience=patchkv.CodeError(0.5)).methods(art, 4096)
+
+
+def test_novelty_ranks_a_token_unlike_the_rest_first():
+    """Keys and values repeating one pattern, one token elsewhere: that token scores highest; references cap the
+    comparison set; a lone token (a decode step) scores 0."""
+    model, art = lossy()
+    with patchkv.patched(model, art, [patchkv.Quantized(20)]):
+        lp = model.model.layers[0].self_attn.patchkv
+    pattern = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(8))
+    keys = pattern.repeat(1, 1, 20, 1)
+    keys[:, :, 57] = 10 * torch.randn(2, 16, generator=torch.Generator().manual_seed(9))
+    for references in (256, 16):
+        scores = patchkv.Novelty(0.1, references=references).score(lp, keys, keys.clone(), None)
+        assert scores.shape == (1, 2, 100) and torch.equal(scores.argmax(-1), torch.tensor([[57, 57]]))
+    assert torch.equal(patchkv.Novelty(0.1).score(lp, keys[:, :, :1], keys[:, :, :1], None), torch.zeros(1, 2, 1))
+    with pytest.raises(ValueError, match="references"):
+        patchkv.Novelty(0.1, references=0)
