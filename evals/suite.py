@@ -61,10 +61,21 @@ class Config:
         return artifact, self.methods(artifact, context)
 
 
-def _coded(ratio: float, pool: str = "global", extra: tuple = (), basis: str = "head"):
+def _coded(ratio: float, pool: str = "global", extra: tuple = (), basis: str = "head", salience=None):
     def methods(artifact, context):
-        return [*Budget(ratio=ratio, pool=pool, basis=basis).methods(artifact, context), *extra]
+        return [*Budget(ratio=ratio, pool=pool, basis=basis, salience=salience).methods(artifact, context), *extra]
     return methods
+
+
+#: the salient fraction the suite's salience configs keep exact per KV head (paid for from the same budget)
+SALIENT_FRACTION = 1 / 128
+
+
+def _salient(ratio: int, scorer: type) -> Config:
+    method = scorer(SALIENT_FRACTION)
+    return Config(f"{ratio}x-{method.name.replace('_', '')}", "pre_rope", _coded(ratio, salience=method),
+                  note=f"global pre-RoPE codes + {method.spec()} exact, {ratio}x vs bf16",
+                  extra={"family": f"patchkv+{method.name}"})
 
 
 def _quantized_cache(backend: str, nbits: int):
@@ -90,6 +101,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("8x-top256", "pre_rope", _coded(8, extra=(patchkv.TopK(256, 16),)),
            note="8x + decode over the best 256 latent tokens per KV head"),
     Config("8x-post", "post_rope", _coded(8), note="global post-RoPE codes, 8x vs bf16"),
+    *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
+                                                                       patchkv.KeyNorm)),
 )}
 
 
