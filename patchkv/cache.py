@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .context import LayerPatch
 from .errors import PatchKVError
-from .methods import Salience
+from .methods import Observation, Salience
 from .modes import Visible, rebuild
 
 #: the middle's buffer grows by this many tokens at a time
@@ -153,30 +153,35 @@ class LatentLayer(CacheLayerMixin):
         self.track.extend(self.cumulative_length, positions)
         self.cumulative_length += keys.shape[2]
 
-    def after_attention(self) -> None:
-        """The forward's attention is done: the tokens beyond the last `window` are encoded into the middle, and
-        a sliding layer keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
+    def after_attention(self, observed: Observation | None = None) -> None:
+        """The forward's attention is done: the tokens beyond the last `window` are encoded into the middle (scored
+        for the salience method, with the forward's queries in `observed` for one that observes), and a sliding layer
+        keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
         t = self.tensors
         leaving = t["recent_keys"].shape[2] - self.window
         if leaving > 0:
             with torch.profiler.record_function("patchkv::encode"):
-                self._encode(leaving)
+                self._encode(leaving, observed)
         if self.is_sliding and not self.record_past:
             self._keep_last(self.sliding_window - 1)
 
-    def _encode(self, leaving: int) -> None:
+    def _encode(self, leaving: int, observed: Observation | None = None) -> None:
         t = self.tensors
         start = self.middle_len
         exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
         stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)]
         if self.salience is not None:
+            if observed is not None:  # the leaving tokens as this forward's queries read them
+                observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]
+                observed.keys = self.patch.patch.mode.exact_keys(self.patch, exact[0], observed.positions)
             with torch.profiler.record_function("patchkv::salience"):
-                self._keep_salient(*exact, stored, start)
+                self._keep_salient(*exact, stored, start, observed)
         for kind, encoded in zip(("keys", "values"), stored):
             self._grow(f"latent_{kind}", encoded)
             t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
 
-    def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor], start: int) -> None:
+    def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor], start: int,
+                      observed: Observation | None = None) -> None:
         """Tokens entering the middle at index `start`, exact `[batch, kv_heads, n, head_dim]` and as stored: each KV
         head keeps the `capacity` best scored of the exact tokens it held and these (kept in middle order)."""
         t = self.tensors
@@ -184,7 +189,7 @@ class LatentLayer(CacheLayerMixin):
         capacity = self.salience.capacity(start + n)
         if capacity == 0:
             return
-        score = self.salience.score(self.patch, keys, values, tuple(stored)).unsqueeze(-1)
+        score = self.salience.rank(self.patch, keys, values, tuple(stored), observed).unsqueeze(-1)
         index = torch.arange(start, start + n, dtype=torch.int32, device=keys.device)
         index = index.view(1, 1, n, 1).expand(*keys.shape[:2], n, 1)
         held = {name: torch.cat([t[name], new], dim=2) for name, new in zip(

@@ -1,4 +1,4 @@
-"""Salience methods (`CodeError`, `KeyNorm`): a fraction of each KV head's middle kept exact beside its codes.
+"""Salience methods (`Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`): a fraction of each KV head's middle kept exact beside its codes.
 
 Exact at full precision in every family and mode; the kept tokens are the best scored and are read exact by both
 attention paths (dense operands and decode steps); their bytes are counted and budgets pay for them; saved caches
@@ -14,7 +14,7 @@ import patchkv
 from patchkv.budgets import Budget, salient_bytes, sixteen_bit_bytes
 from patchkv.methods import build_plan, parse_method
 
-SCORERS = [patchkv.CodeError, patchkv.KeyNorm, patchkv.Novelty]
+SCORERS = [patchkv.CodeError, patchkv.KeyNorm, patchkv.Novelty, patchkv.AttentionMass]
 
 
 def lossy(family="llama", mode="pre_rope", dtype=torch.float32):
@@ -35,15 +35,17 @@ def test_full_rank_with_salience_generates_as_unpatched(family, mode, scorer):
         assert torch.equal(model.generate(ids, **kwargs), reference)
 
 
-@pytest.mark.parametrize("scorer", SCORERS)
-def test_kept_tokens_are_the_best_scored_and_read_exact(scorer):
+@pytest.mark.parametrize("scope", ["layer", "head"])
+@pytest.mark.parametrize("scorer", SCORERS[:3])
+def test_kept_tokens_are_the_best_scored_and_read_exact(scorer, scope):
     """One prefill (post-RoPE, so cache space is what the unpatched model caches): each KV head keeps the
-    `capacity` tokens of the middle its scorer ranks highest, and the cache's view of the middle is their exact
-    keys and values there and the codes' reconstruction elsewhere."""
+    `capacity` tokens of the middle its scorer ranks highest (scope "layer": by the score averaged over the layer's
+    heads, so every head keeps the same), and the cache's view of the middle is their exact keys and values there
+    and the codes' reconstruction elsewhere."""
     model, art = lossy(mode="post_rope")
     ids = calibration_ids(1, 40, seed=4)
     plain = model(ids, use_cache=True).past_key_values
-    method = scorer(0.25)
+    method = scorer(0.25, scope=scope)
     with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), method]):
         cache = model(ids, use_cache=True).cache
         for i, layer in enumerate(cache.layers):
@@ -51,9 +53,13 @@ def test_kept_tokens_are_the_best_scored_and_read_exact(scorer):
             keys, values = plain.layers[i].keys[:, :, middle], plain.layers[i].values[:, :, middle]
             lp = layer.patch
             stored = (lp.keys.encode(keys), lp.values.encode(values))
-            expected = method.score(lp, keys, values, stored).topk(method.capacity(35), dim=-1).indices.sort(-1).values
+            scores = method.score(lp, keys, values, stored)
+            if scope == "layer":
+                scores = scores.mean(1, keepdim=True).expand_as(scores)
+            expected = scores.topk(method.capacity(35), dim=-1).indices.sort(-1).values
             index = layer.tensors["salient_index"].squeeze(-1).long()
             assert layer.salient_len == 8 and torch.equal(index, expected)
+            assert (scope == "layer") == torch.equal(index[:, :1].expand_as(index), index)
             for view, exact in ((layer.keys, keys), (layer.values, values)):
                 got = view[:, :, middle]
                 kept = torch.zeros(got.shape[:3], dtype=torch.bool).scatter_(2, index, True)
@@ -124,10 +130,13 @@ def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent():
 
 def test_methods_parse_and_refuse_what_does_not_fit():
     assert parse_method("code_error:fraction=0.05") == patchkv.CodeError(0.05)
-    assert patchkv.KeyNorm(0.1).spec() == "key_norm:fraction=0.1"
+    assert patchkv.KeyNorm(0.1).spec() == "key_norm:fraction=0.1,scope=layer"
+    assert parse_method("novelty:fraction=0.01,scope=head,references=64") == patchkv.Novelty(0.01, "head", 64)
     for fraction in (0, 1, -0.1, True, "0.1"):
         with pytest.raises(ValueError, match="fraction"):
             patchkv.CodeError(fraction)
+    with pytest.raises(ValueError, match="scope"):
+        patchkv.KeyNorm(0.1, scope="token")
     with pytest.raises(ValueError, match="cannot be combined"):
         build_plan([patchkv.CodeError(0.1), patchkv.TopK(8)])
     _, art = lossy()
@@ -150,3 +159,23 @@ def test_novelty_ranks_a_token_unlike_the_rest_first():
     assert torch.equal(patchkv.Novelty(0.1).score(lp, keys[:, :, :1], keys[:, :, :1], None), torch.zeros(1, 2, 1))
     with pytest.raises(ValueError, match="references"):
         patchkv.Novelty(0.1, references=0)
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_attention_mass_keeps_what_the_last_queries_attend_to(scope):
+    """The unpatched model's own attention weights (eager), renormalised over the tokens leaving the window and
+    averaged over the last `observe` queries and each KV head's query heads, rank the tokens kept."""
+    model = make_model("llama", "eager")
+    art = patchkv.calibrate(model, calibration_ids(), mode="pre_rope", rank=8, progress=False)
+    ids = calibration_ids(1, 40, seed=4)
+    weights = model(ids, output_attentions=True).attentions  # per layer [1, heads, 40, 40]
+    method = patchkv.AttentionMass(0.25, scope=scope, observe=3)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), method]):
+        cache = model(ids, use_cache=True).cache
+    for layer, w in zip(cache.layers, weights):
+        seen = w[0, :, -3:, 2:37]  # the last 3 queries on the 35 tokens leaving the window
+        score = (seen / seen.sum(-1, keepdim=True)).view(2, 2, 3, 35).mean((1, 2))  # [kv_heads, 35]
+        if scope == "layer":
+            score = score.mean(0, keepdim=True).expand_as(score)
+        expected = score.topk(8, dim=-1).indices.sort(-1).values
+        assert torch.equal(layer.tensors["salient_index"][0].squeeze(-1).long(), expected)

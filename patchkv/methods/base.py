@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from ..latent import Codec
 
 
+#: how a `Salience` method's kept tokens are chosen: the same for a layer's KV heads, or each head its own
+SCOPES = ("layer", "head")
+
+
 class Method:
     """Base class. Subclasses are frozen dataclasses; `configure` returns the edited plan."""
 
@@ -80,6 +84,20 @@ class Selector(Method):
         return replace(plan, selector=self)
 
 
+@dataclass
+class Observation:
+    """What a forward's attention saw, for a `Salience` method that `observes`: its queries as attention dots them
+    with keys `[batch, heads, s, head_dim]` (rotated), their true positions `[batch, s]` and the softmax `scaling`;
+    the layer adds the tokens leaving its window, keys as attention reads them `[batch, kv_heads, n, head_dim]` and
+    their true positions `[batch, n]`."""
+
+    queries: torch.Tensor
+    query_positions: torch.Tensor
+    scaling: float
+    keys: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class Salience(Method):
     """A method that keeps a `fraction` of each KV head's middle tokens exact beside their codes: the tokens its
@@ -87,26 +105,41 @@ class Salience(Method):
     whole prefill at once, one token per decode step); each full-attention layer keeps, per KV head, the
     `capacity(middle)` best seen so far (a newcomer that scores above the lowest displaces it, which is then read
     from its codes again). Attention reads a kept token's exact key and value in place of its codes; the cache
-    counts their bytes, their middle index (int32) and their score (float32). Sliding-window layers keep none."""
+    counts their bytes, their middle index (int32) and their score (float32). Sliding-window layers keep none.
+
+    scope "layer": a layer's KV heads keep the same tokens, ranked by their scores averaged over the heads (a needle
+    kept in every head of a layer, not in the heads where it stands out most); "head": each KV head its own."""
 
     role = "salience"
-    fraction: float = 1 / 64
+    #: whether `score` reads this forward's queries (`Observation`): the attention path then passes them
+    observes: ClassVar[bool] = False
+    fraction: float = 1 / 128
+    scope: str = "layer"
 
     def __post_init__(self):
         fraction = self.fraction
         if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) < 1.0:
             raise ValueError(f"{self.name}: fraction must be a number in (0, 1), got {fraction!r}.")
         object.__setattr__(self, "fraction", float(fraction))
+        if self.scope not in SCOPES:
+            raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
 
     def capacity(self, middle: int) -> int:
         """Exact tokens each KV head keeps over a middle of `middle` coded tokens."""
         return int(self.fraction * middle)
 
-    def score(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor]
-              ) -> torch.Tensor:
+    def rank(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor],
+             observed: Observation | None = None) -> torch.Tensor:
+        """`score` within the `scope`: float32 `[batch, kv_heads, n]`, equal over a layer's heads for "layer"."""
+        scores = self.score(lp, keys, values, stored, observed)
+        return scores.mean(1, keepdim=True).expand_as(scores).contiguous() if self.scope == "layer" else scores
+
+    def score(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor],
+              observed: Observation | None = None) -> torch.Tensor:
         """Tokens leaving the window: keys and values `[batch, kv_heads, n, head_dim]` exact in cache space, and
-        their codes as stored (`[batch, 1, n, width]` keys and values) -> float32 `[batch, kv_heads, n]`, higher kept
-        first."""
+        their codes as stored (`[batch, 1, n, width]` keys and values); `observed`: this forward's queries, for a
+        method that `observes` (None where the layer has none, e.g. effect-weight calibration) -> float32 `[batch,
+        kv_heads, n]`, higher kept first."""
         raise NotImplementedError
 
     def configure(self, plan: CachePlan) -> CachePlan:

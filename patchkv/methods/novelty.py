@@ -4,7 +4,8 @@ KVzip ranks a token by the attention it receives while the model re-reads its co
 context predicts (a repeated phrase, boilerplate) is never needed to reproduce it, and one nothing predicts (a number,
 a name: a needle) is. This ranks the same tokens from the keys and values the forward already made: a token's score
 is its squared distance to the nearest other token among `references` spread evenly over the tokens leaving the window
-with it (neighbours within 2 positions excluded), keys and values each relative to the head's total variance:
+with it (neighbours within 8 positions excluded: the digits of one number are not each other's twins), keys and
+values each relative to the head's total variance:
 
     score = min_j |k - k_j|^2 / tr(S_k) + min_j |v - v_j|^2 / tr(S_v)
 
@@ -22,7 +23,7 @@ import torch
 from .base import Salience, check_int
 
 #: a token's own neighbours (within this many positions) are not compared with it
-NEIGHBOURS = 2
+NEIGHBOURS = 8
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Novelty(Salience):
         super().__post_init__()
         object.__setattr__(self, "references", check_int("novelty", "references", self.references, 1))
 
-    def score(self, lp, keys, values, stored):
+    def score(self, lp, keys, values, stored, observed=None):
         batch, heads, n, _ = keys.shape
         total = torch.zeros(batch, heads, n, dtype=torch.float32, device=keys.device)
         if n <= 2 * NEIGHBOURS + 1:
