@@ -34,6 +34,7 @@ from .cache import LatentCache, LatentLayer, dense
 from .context import LayerPatch
 from .errors import PatchKVError
 from .kernels import ops as kernels
+from .methods import Observation
 from .modes import Visible, grouped_scores
 
 
@@ -90,8 +91,9 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidde
     positions = kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=q.device).unsqueeze(0) + layer.get_seq_length()
+    positions = positions.expand(batch, seq)
     q, k = mode.to_cache_space(lp, q, k, cos, sin)
-    seen = layer.update_latent(k, v, positions.expand(batch, seq))
+    seen = layer.update_latent(k, v, positions)
     queries = mode.queries(lp, q, cos, sin)
     scaling = adapter.scaling(attn)
     weights, chosen = None, None
@@ -109,7 +111,9 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidde
             out, weights = adapter.attention_function(attn)(
                 attn, queries, keys, values, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                 scaling=scaling, **{**kwargs, **adapter.attention_kwargs(attn)})
-    layer.after_attention()
+    salience = lp.patch.plan.salience
+    layer.after_attention(Observation(queries, positions, scaling) if salience is not None and salience.observes
+                          else None)
     out = out.reshape(batch, seq, -1).to(model_dtype).contiguous()
     return adapter.output(attn, out), weights
 

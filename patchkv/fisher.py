@@ -57,7 +57,7 @@ class FisherProbe:
         return Visible(keys, values, keys + dk, values + dv, no_middle, no_middle, positions, positions[:, :0],
                        positions)
 
-    def after_attention(self) -> None:
+    def after_attention(self, observed=None) -> None:
         pass
 
 

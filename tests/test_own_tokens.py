@@ -91,9 +91,9 @@ def test_tokens_are_encoded_after_attention_and_views_follow_what_attention_read
     during = {}
     release = LatentLayer.after_attention
 
-    def record(layer):
+    def record(layer, observed=None):
         during[len(during)] = (layer.middle_len, layer.window_len, layer.keys, layer.values)
-        release(layer)
+        release(layer, observed)
 
     monkeypatch.setattr(LatentLayer, "after_attention", record)
     with patchkv.patched(model, art, bits=24, sink_tokens=2, window=3):

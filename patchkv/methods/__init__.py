@@ -10,7 +10,8 @@ import dataclasses
 import typing
 from collections.abc import Iterable
 
-from .base import CachePlan, CodecMethod, Method, Salience, Selector
+from .attention_mass import AttentionMass
+from .base import CachePlan, CodecMethod, Method, Observation, Salience, Selector
 from .code_error import CodeError
 from .key_norm import KeyNorm
 from .lowrank import LowRank
@@ -20,8 +21,8 @@ from .sinks_window import SinksWindow
 from .topk import TopK
 
 #: name -> method class; `patchkv eval --method NAME:field=value,...` and the evals look methods up here.
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (CodeError, KeyNorm, LowRank, Novelty, Quantized,
-                                                               SinksWindow, TopK)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (AttentionMass, CodeError, KeyNorm, LowRank, Novelty,
+                                                               Quantized, SinksWindow, TopK)}
 
 
 def parse_method(spec: str) -> Method:
@@ -81,5 +82,6 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
     return plan
 
 
-__all__ = ["METHODS", "CachePlan", "CodeError", "CodecMethod", "KeyNorm", "LowRank", "Method", "Novelty", "Quantized",
-           "Salience", "Selector", "SinksWindow", "TopK", "build_plan", "from_options", "parse_method"]
+__all__ = ["METHODS", "AttentionMass", "CachePlan", "CodeError", "CodecMethod", "KeyNorm", "LowRank", "Method",
+           "Novelty", "Observation", "Quantized", "Salience", "Selector", "SinksWindow", "TopK", "build_plan",
+           "from_options", "parse_method"]

@@ -26,7 +26,7 @@ class CodeError(Salience):
 
     name = "code_error"
 
-    def score(self, lp, keys, values, stored):
+    def score(self, lp, keys, values, stored, observed=None):
         total = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
         for codec, exact, codes, spectrum in zip((lp.keys, lp.values), (keys, values), stored,
                                                  (lp.patch.artifact.keys, lp.patch.artifact.values)):

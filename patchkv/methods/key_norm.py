@@ -16,5 +16,5 @@ class KeyNorm(Salience):
 
     name = "key_norm"
 
-    def score(self, lp, keys, values, stored):
+    def score(self, lp, keys, values, stored, observed=None):
         return -keys.float().norm(dim=-1)
