@@ -102,7 +102,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
            note="8x + decode over the best 256 latent tokens per KV head"),
     Config("8x-post", "post_rope", _coded(8), note="global post-RoPE codes, 8x vs bf16"),
     *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
-                                                                       patchkv.KeyNorm)),
+                                                                       patchkv.KeyNorm, patchkv.AttentionMass)),
 )}
 
 
