@@ -124,7 +124,7 @@ def peers(args: argparse.Namespace) -> None:
     by_file: dict[Path, set] = {}
     for line in Path(args.predictions).read_text().splitlines():
         p = json.loads(line)
-        task = TASKS[f"ruler_{p['task'].removeprefix('ruler_')}"]
+        task = TASKS[p["task"] if p["task"] in TASKS else f"ruler_{p['task'].removeprefix('ruler_')}"]
         sample = task.samples(p["context_length"], p["index"] + 1, SMOLLM2)[p["index"]]
         path = records_path(args.results, task.name, p["context_length"])
         done = by_file.setdefault(path, {(r["config"], r["index"]) for r in read_records(path)})
@@ -258,7 +258,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless"}
+BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
+              "salience": "bench_salience"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -91,10 +91,13 @@ class Ruler:
         path = self.samples_path(context)
         have = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         if len(have) < count:
-            have = build_ruler_samples(self.subtask, context, count, tokenizer_path)
+            have = self.build(context, count, tokenizer_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(s) + "\n" for s in have))
         return have[:count]
+
+    def build(self, context: int, count: int, tokenizer_path: Path) -> list[dict]:
+        return build_ruler_samples(self.subtask, context, count, tokenizer_path)
 
     def available(self, context: int) -> int:
         path = self.samples_path(context)
@@ -134,7 +137,11 @@ def greedy_answer(model: nn.Module, tokenizer: Any, logits: torch.Tensor, cache:
 
 
 def ruler_score(sample: dict, answer: str) -> float:
-    """The task's own metric (lm-eval's `common_utils.process_results[_part]`) on one answer, in [0, 1]."""
+    """The task's own metric (lm-eval's `common_utils.process_results[_part]`) on one answer, in [0, 1]; for the
+    suite's own needle task (`NeedleText`, scorer "contains_all"), whether every reference is in the answer, as
+    RULER's string_match_all counts one sample."""
+    if sample["scorer"] == "contains_all":
+        return float(all(r.lower() in answer.lower() for r in sample["outputs"]))
     from lm_eval.tasks.ruler import common_utils
 
     scorer = getattr(common_utils, sample["scorer"])
@@ -174,6 +181,60 @@ def build_ruler_samples(subtask: str, context: int, count: int, tokenizer_path: 
     return out
 
 
+#: (the sentence hidden in the text, the question that asks for it); {n} is the number
+NEEDLES = (
+    ("The pass key is {n}. Remember it. {n} is the pass key.", "What is the pass key? The pass key is"),
+    ("Note for the reader: the access code for the archive is {n}.",
+     "What is the access code for the archive? The access code for the archive is"),
+    ("(The serial number of the old printer in room four is {n}.)",
+     "What is the serial number of the old printer in room four? The serial number is"),
+    ("My grandmother's favourite number was {n}, and she wrote it on every letter.",
+     "What was the grandmother's favourite number? Her favourite number was"),
+)
+NEEDLE_INTRO = ("Some important information is hidden inside the following text. Make sure to memorize it. I will quiz "
+                "you about it afterwards.\n\n")
+#: the held-out domains a haystack comes from (Milton and Shakespeare: SmolLM2-135M unpatched finds few needles there)
+NEEDLE_DOMAINS = ("prose",)
+
+
+@dataclass(frozen=True)
+class NeedleText(Ruler):
+    """A needle in real held-out text (`needle_text`): a 7-digit number in one of four wordings (`NEEDLES`), at a
+    depth drawn in [10%, 90%] and moved to the next line break, inside a held-out 4k document (the Python
+    documentation prose of `ppl_prose`, never in any calibration mix, each used again with other needles and depths),
+    asked for after the text; scored 1 if the answer holds the number. Seeded by the sample index; run by RULER's protocol (`Ruler.run`), so a method cannot pass by coding a
+    repetitive haystack well."""
+
+    def samples_path(self, context: int) -> Path:
+        return RULER_CACHE / f"{self.name}@{context}.jsonl"
+
+    def build(self, context: int, count: int, tokenizer_path: Path) -> list[dict]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        documents = {d: Perplexity(d, d).documents() for d in NEEDLE_DOMAINS}
+        out = []
+        for index in range(count):
+            rng = random.Random(index)
+            domain = NEEDLE_DOMAINS[index % len(NEEDLE_DOMAINS)]
+            text = documents[domain][(index // len(NEEDLE_DOMAINS)) % len(documents[domain])]
+            number = str(rng.randrange(1_000_000, 10_000_000))
+            needle, question = NEEDLES[rng.randrange(len(NEEDLES))]
+            question_ids = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
+            intro = tokenizer(NEEDLE_INTRO, add_special_tokens=False)["input_ids"]
+            body = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            room = context - len(question_ids) - len(intro) - 40  # the needle's own tokens
+            text = text[: body["offset_mapping"][min(room, len(body["input_ids"])) - 1][1]]
+            at = text.find("\n", int(len(text) * rng.uniform(0.1, 0.9)))
+            at = len(text) if at < 0 else at
+            hidden = NEEDLE_INTRO + text[:at] + "\n" + needle.format(n=number) + text[at:]
+            out.append({"task": self.name, "context_length": context, "index": index, "depth": round(at / len(text), 3),
+                        "context_ids": tokenizer(hidden, add_special_tokens=False)["input_ids"][:context - len(
+                            question_ids)], "question_ids": question_ids, "max_new_tokens": 16, "outputs": [number],
+                        "scorer": "contains_all"})
+        return out
+
+
 def wilson_half_width(mean: float, n: int) -> float:
     """Half the width of the 95% Wilson interval of a mean of `n` scores in [0, 1] (never 0 when n is small)."""
     if n == 0:
@@ -189,4 +250,5 @@ TASKS: dict[str, Perplexity | Ruler] = {t.name: t for t in (
     Perplexity("ppl_milton", "milton"),
     *(Ruler(f"ruler_{s.removeprefix('ruler_')}", s) for s in (
         "niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_fwe", "ruler_vt", "ruler_cwe")),
+    NeedleText("needle_text", "needle_text"),
 )}
