@@ -126,3 +126,31 @@ def test_lossless_benchmark_saves_restores_and_measures(tmp_path):
     assert float(row["file_bytes_per_token_deflate"]) < float(row["file_bytes_per_token_raw"])
     assert float(row["code_ratio"]) > 1.0 and 5 < float(row["compression_vs_bf16_held"]) < 8.5
     assert (tmp_path / "lossless.csv.provenance.json").is_file()
+
+
+def test_needle_text_samples_hide_one_number_in_held_out_prose(smollm2):
+    """The real-text needle task: a 7-digit number inside a held-out prose document, asked for after it; the same
+    samples on every build, at most `context` tokens with the question, scored by whether the answer holds it."""
+    from evals.tasks import TASKS, ruler_score
+
+    _, tokenizer = smollm2
+    task = TASKS["needle_text"]
+    samples = task.build(1024, 4, SMOLLM2)
+    assert samples == task.build(1024, 4, SMOLLM2)
+    for s in samples:
+        assert len(s["context_ids"]) + len(s["question_ids"]) <= 1024
+        (number,) = s["outputs"]
+        text = tokenizer.decode(s["context_ids"])
+        assert len(number) == 7 and number in text and text.startswith("Some important information is hidden")
+        assert 0.1 <= s["depth"] <= 1.0 and tokenizer.decode(s["question_ids"]).strip().startswith("What")
+        assert ruler_score(s, f" {number}.") == 1.0 and ruler_score(s, number[:6]) == 0.0
+    assert len({s["outputs"][0] for s in samples}) == 4
+
+
+def test_salience_cost_benchmark(tmp_path):
+    """`python -m evals salience`, short: one 1k prefill through 16x with Novelty; the scorer's time is a measured
+    fraction of the prefill's, with provenance."""
+    evals("salience", "--configs", "16x-novelty", "--context", "1024", "--rounds", "1", "--out", str(tmp_path))
+    (row,) = list(csv.DictReader(open(tmp_path / "salience_cost.csv")))
+    assert row["config"] == "16x-novelty" and 0 < float(row["scoring_fraction_of_prefill"]) < 1
+    assert float(row["scoring_s"]) > 0 and (tmp_path / "salience_cost.csv.provenance.json").is_file()
