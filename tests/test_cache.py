@@ -44,7 +44,8 @@ def prompt():
     return ids, mask
 
 
-METHODS = {"lowrank": {}, "sinks+window": dict(sink_tokens=2, window=3)}
+METHODS = {"lowrank": {}, "sinks+window": dict(sink_tokens=2, window=3),
+           "salient": dict(methods=[patchkv.SinksWindow(2, 3), patchkv.Novelty(0.25)])}
 GENERATION = {
     "greedy": dict(do_sample=False),
     "sampling": dict(do_sample=True, top_k=10, temperature=0.8),
