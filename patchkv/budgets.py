@@ -14,10 +14,10 @@ used.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .allocation import default_pool, full_kv_bytes_per_token, kv_bytes_per_token
-from .methods import Method, Quantized, Salience, SinksWindow
+from .methods import Method, Quantized, Salience, SinksWindow, parse_method
 
 #: the sinks and recent window every budget keeps exact (and counts)
 EXACT = (4, 32)
@@ -83,7 +83,8 @@ class Budget:
     salience: Salience | None = None
 
     def __str__(self) -> str:
-        return f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
+        size = f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
+        return size + (f"+{self.salience.spec()}" if self.salience is not None else "")
 
     def quantized(self, artifact, context: int) -> Quantized:
         pool = self.pool or default_pool(artifact)
@@ -98,8 +99,16 @@ class Budget:
 
 
 def parse_budget(text: str) -> Budget:
-    """"8x" or "8" followed by x (a ratio > 1 against the 16-bit cache), or "119" (bits per KV head and token)."""
-    text = text.strip().lower()
+    """"8x" or "8" followed by x (a ratio > 1 against the 16-bit cache), or "119" (bits per KV head and token);
+    "+" and a salience method after either keeps its tokens exact out of the same budget: "16x+novelty",
+    "16x+novelty:fraction=0.01" (`patchkv.methods.parse_method`)."""
+    text, plus, salience = text.strip().lower().partition("+")
+    if plus:
+        method = parse_method(salience.strip())
+        if not isinstance(method, Salience):
+            raise ValueError(f"budget {text + plus + salience!r}: after '+' comes a salience method (novelty, "
+                             f"code_error, key_norm, attention_mass), not {method.name!r}.")
+        return replace(parse_budget(text), salience=method)
     if re.fullmatch(r"\d+(\.\d+)?x", text):
         ratio = float(text[:-1])
         if ratio <= 1:

@@ -32,6 +32,7 @@ from .allocation import step_scales_for
 from .artifact import Artifact
 from .budgets import Budget, sixteen_bit_bytes
 from .memory import cache_nbytes
+from .methods import Quantized
 from .patching import patched
 from .perplexity import token_nll
 
@@ -114,7 +115,8 @@ def _configs(model: nn.Module, artifact: Artifact, budgets: list[Budget], contex
             out.append((f"QuantizedCache quanto int{nbits}", None, factory, note))
     for budget in budgets:
         methods = budget.methods(artifact, context)
-        scaled = step_scales_for(artifact, methods[-1].bits, methods[-1].pool) is not None
+        codes = next(m for m in methods if isinstance(m, Quantized))
+        scaled = step_scales_for(artifact, codes.bits, codes.pool) is not None
         out.append((f"patchkv {budget}", (artifact, methods),
                     None, " + ".join(m.spec() for m in methods) + ("" if scaled else " (no step scales for this budget)")))
     return out

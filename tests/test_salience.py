@@ -11,7 +11,7 @@ from conftest import calibration_ids, make_model
 from test_fast_decode import check_decode
 
 import patchkv
-from patchkv.budgets import Budget, salient_bytes, sixteen_bit_bytes
+from patchkv.budgets import Budget, parse_budget, salient_bytes, sixteen_bit_bytes
 from patchkv.methods import build_plan, parse_method
 
 SCORERS = [patchkv.CodeError, patchkv.KeyNorm, patchkv.Novelty, patchkv.AttentionMass]
@@ -179,3 +179,13 @@ def test_attention_mass_keeps_what_the_last_queries_attend_to(scope):
             score = score.mean(0, keepdim=True).expand_as(score)
         expected = score.topk(8, dim=-1).indices.sort(-1).values
         assert torch.equal(layer.tensors["salient_index"][0].squeeze(-1).long(), expected)
+
+
+def test_budgets_name_a_salience_method_after_a_plus():
+    assert parse_budget("16x+novelty") == Budget(ratio=16, salience=patchkv.Novelty())
+    assert parse_budget(" 119 + code_error:fraction=0.01 ") == Budget(bits=119, salience=patchkv.CodeError(0.01))
+    assert str(parse_budget("8x+key_norm")) == "8x+key_norm:fraction=0.0078125,scope=layer"
+    with pytest.raises(ValueError, match="salience method"):
+        parse_budget("16x+topk")
+    with pytest.raises(ValueError, match="Unknown method"):
+        parse_budget("16x+nothing")
