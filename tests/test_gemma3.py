@@ -19,8 +19,8 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 @pytest.fixture(scope="module")
 def gemma3():
     if not all((GEMMA3 / name).is_file() for name in FILES):
-        pytest.skip(f"Gemma 3 270M is not in {GEMMA3.relative_to(ROOT)} (opt-in): "
-                    "run `PATCHKV_SETUP_GEMMA3=1 bash scripts/setup.sh`")
+        pytest.skip(f"Gemma 3 270M is not in {GEMMA3.relative_to(ROOT)} (setup skipped it with "
+                    "PATCHKV_SETUP_GEMMA3=0): run `bash scripts/setup.sh`")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(GEMMA3)
