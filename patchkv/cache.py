@@ -12,8 +12,8 @@ pre-RoPE mode, rotated in post-RoPE mode):
 Unused regions are zero-sized, so there is one layout and one code path. A plan with a `Salience` method keeps,
 per KV head, the middle tokens it scores highest exact as well (scored as they leave the window, the best
 `capacity(middle)` so far); attention reads those in place of their codes (`dense`, and the decode step's exact
-tokens). A forward's own tokens are read
-exact, as transformers' `QuantizedCache` does, and so is the window of `window` tokens before them.
+tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the window of
+`window` tokens before them.
 
 The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
 
@@ -53,6 +53,7 @@ from .modes import Visible, rebuild
 #: the middle's buffer grows by this many tokens at a time
 PAGE = 64
 SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score")
+#: every region a layer holds: sinks, middle and window, then a salience method's exact tokens
 REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT)
 
 
@@ -137,9 +138,10 @@ class LatentLayer(CacheLayerMixin):
                                "new cache (generate() makes one), or change the dtype before writing it.")
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
-            self.tensors = {name: empty[name.split("_")[1]] for name in REGIONS[:6] if not name.startswith("latent")}
-            self.tensors.update(salient_keys=empty["keys"], salient_values=empty["values"],
-                                salient_index=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.int32),
+            self.tensors = {name: empty[name.split("_")[1]] for name in ("sink_keys", "sink_values", "recent_keys",
+                                                                          "recent_values", "salient_keys",
+                                                                          "salient_values")}
+            self.tensors.update(salient_index=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.int32),
                                 salient_score=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.float32))
             for name, codec in zip(("latent_keys", "latent_values"), (self.patch.keys, self.patch.values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])

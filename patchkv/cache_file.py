@@ -133,7 +133,7 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
         regions = entry.get("regions")
         if not regions:
             continue
-        expected = REGIONS if meta["format_version"] == 2 else REGIONS[:len(REGIONS) - len(SALIENT)]
+        expected = REGIONS if meta["format_version"] == 2 else tuple(r for r in REGIONS if r not in SALIENT)
         if set(regions) != set(expected):
             raise PatchKVError(f"{path}: layer {i} holds regions {sorted(regions)}, expected {list(expected)}.")
         held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in expected}

@@ -95,3 +95,29 @@ def test_a_cache_from_another_patch_or_a_damaged_file_is_refused(tmp_path, setup
         save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
         with pytest.raises(patchkv.PatchKVError, match="not written by patchkv.save_cache"):
             load_cache(model, tmp_path / "other.safetensors")
+
+
+def test_salient_regions_are_checked_and_a_version_1_file_loads_with_none(tmp_path, setup):
+    model, artifact = setup
+    methods = [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.Novelty(0.2)]
+    with patchkv.patched(model, artifact, methods):
+        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "p.safetensors")
+        with safe_open(str(saved.path), framework="pt") as f:
+            meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
+        index = tensors["layers.1.salient_index"].clone()
+        index[0, 0, 0] = 10_000  # past the middle
+        save_file({**tensors, "layers.1.salient_index": index}, str(tmp_path / "far.safetensors"),
+                  metadata={FORMAT: json.dumps(meta)})
+        with pytest.raises(patchkv.PatchKVError, match="layer 1's salient regions"):
+            load_cache(model, tmp_path / "far.safetensors")
+    with patchkv.patched(model, artifact, methods[:2]):  # written before salient regions existed
+        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "v2.safetensors")
+        with safe_open(str(saved.path), framework="pt") as f:
+            meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
+        meta["format_version"] = 1
+        for layer in meta["layers"]:
+            layer["regions"] = {k: v for k, v in layer["regions"].items() if not k.startswith("salient")}
+        save_file({k: t for k, t in tensors.items() if ".salient_" not in k}, str(tmp_path / "v1.safetensors"),
+                  metadata={FORMAT: json.dumps(meta)})
+        restored = load_cache(model, tmp_path / "v1.safetensors")
+        assert restored.nbytes() == saved.held_bytes and all(layer.salient_len == 0 for layer in restored.layers)
