@@ -130,7 +130,8 @@ def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent():
 
 def test_methods_parse_and_refuse_what_does_not_fit():
     assert parse_method("code_error:fraction=0.05") == patchkv.CodeError(0.05)
-    assert patchkv.KeyNorm(0.1).spec() == "key_norm:fraction=0.1,scope=layer"
+    assert patchkv.KeyNorm(0.1).spec() == "key_norm:fraction=0.1" and patchkv.Novelty().spec() == "novelty"
+    assert parse_method(patchkv.Novelty(0.01, "head", 64).spec()) == patchkv.Novelty(0.01, "head", 64)
     assert parse_method("novelty:fraction=0.01,scope=head,references=64") == patchkv.Novelty(0.01, "head", 64)
     for fraction in (0, 1, -0.1, True, "0.1"):
         with pytest.raises(ValueError, match="fraction"):
@@ -184,7 +185,8 @@ def test_attention_mass_keeps_what_the_last_queries_attend_to(scope):
 def test_budgets_name_a_salience_method_after_a_plus():
     assert parse_budget("16x+novelty") == Budget(ratio=16, salience=patchkv.Novelty())
     assert parse_budget(" 119 + code_error:fraction=0.01 ") == Budget(bits=119, salience=patchkv.CodeError(0.01))
-    assert str(parse_budget("8x+key_norm")) == "8x+key_norm:fraction=0.0078125,scope=layer"
+    assert str(parse_budget("8x+key_norm")) == "8x+key_norm" and str(parse_budget("8x+novelty:scope=head")) == \
+        "8x+novelty:scope=head"
     with pytest.raises(ValueError, match="salience method"):
         parse_budget("16x+topk")
     with pytest.raises(ValueError, match="Unknown method"):

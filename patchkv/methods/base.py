@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -123,6 +123,11 @@ class Salience(Method):
         object.__setattr__(self, "fraction", float(fraction))
         if self.scope not in SCOPES:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
+
+    def spec(self) -> str:
+        """`name` and the fields that differ from their defaults ("novelty", "novelty:fraction=0.01")."""
+        changed = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else self.name
 
     def capacity(self, middle: int) -> int:
         """Exact tokens each KV head keeps over a middle of `middle` coded tokens."""
