@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                              "kv_bytes_per_token": round(scored.kv_bytes_per_token, 1),
                              "methods": " + ".join(m.spec() for m in methods)})
                 print(rows[-1], flush=True)
-    write_csv(rows, Path(args.out) / "salience_variants.csv")
+            write_csv(rows, Path(args.out) / "salience_variants.csv")  # after each variant: a long run keeps its rows
 
 
 if __name__ == "__main__":
