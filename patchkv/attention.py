@@ -14,8 +14,8 @@ adapter, and these changes:
    mean`;
 5. if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
    and attends exactly over sinks, those and the window;
-   if it has a salience method (`CodeError`, `KeyNorm`, `Novelty`), the middle tokens each KV head keeps exact are
-   read in place of their codes: written into the dense middle, or merged with the exact tokens of a decode step;
+   if it has a salience method (`patchkv.methods.Salience`), the middle tokens each KV head keeps exact are read in
+   place of their codes: written into the dense middle, or merged with the exact tokens of a decode step;
 6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
 
 Effect-weight calibration (`patchkv.fisher`) runs this same path (`attention_forward`) over a layer of its own that
@@ -176,8 +176,8 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     scores = grouped_scores(qg, keys).float() * scaling  # [batch, kv_heads, groups, exact]
     bias = None
     if mask is not None:
-        ns_exact = keys.shape[2] - (seen.salient_len if salient else 0)  # sinks, top-k's chosen and window
-        m = _additive(mask[..., : ns_exact + (nm if middle else 0)])  # the mask's columns for these tokens
+        columns_read = keys.shape[2] - (seen.salient_len if salient else 0)  # sinks, top-k's chosen, window
+        m = _additive(mask[..., : columns_read + (nm if middle else 0)])  # the mask's columns for these tokens
         per_head = m.shape[1] > 1
         m = m.view(m.shape[0], kv_heads, -1, m.shape[-1]) if per_head else m  # [batch, kv_heads or 1, groups or 1, n]
         if middle:
