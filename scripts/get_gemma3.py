@@ -17,7 +17,6 @@ bf16 checkpoint; it is the same model in every run, which is what the benchmarks
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import shutil
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gguf_folder import complete, convert
+from gguf_folder import convert, target
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / ".models" / "gemma-3-270m"
@@ -72,17 +71,10 @@ def assemble(parts: list[Path], target: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--force", action="store_true", help="rewrite the folder even if it is complete")
-    args = ap.parse_args()
-    out: Path = args.out
-    if complete(out) and not args.force:
-        print(f"{out}: present, nothing to do")
+    out = target(__doc__.splitlines()[0], DEFAULT_OUT)
+    if out is None:
         return
-
     parts = find_parts()
-    out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))  # same disk as the output
     try:
         start = time.perf_counter()

@@ -14,12 +14,11 @@ not the original bf16 checkpoint; it is the same model in every run, which is wh
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
 
-from gguf_folder import complete, convert
+from gguf_folder import convert, target
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / ".models" / "SmolLM2-135M-Instruct"
@@ -39,17 +38,11 @@ def find_gguf() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--force", action="store_true", help="rewrite the folder even if it is complete")
-    args = ap.parse_args()
-    out: Path = args.out
-    if complete(out) and not args.force:
-        print(f"{out}: present, nothing to do")
+    out = target(__doc__.splitlines()[0], DEFAULT_OUT)
+    if out is None:
         return
     gguf = find_gguf()
     print(f"loading {gguf}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     model = convert(gguf.parent, gguf.name, out)
     n = sum(p.numel() for p in model.parameters())
     print(f"{out}: {n / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers; logits identical to the GGUF model")

@@ -9,6 +9,7 @@ checks that the folder's logits equal the GGUF-loaded model's and its tokenizer 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import shutil
@@ -21,6 +22,20 @@ REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_con
 def complete(out: Path) -> bool:
     """Whether `out` already holds every file `convert` writes."""
     return all((out / name).is_file() for name in REQUIRED)
+
+
+def target(description: str, default: Path) -> Path | None:
+    """The folder to write, from the command line (`--out`, default `default`; `--force`), or None, said so, when it
+    is already complete and --force is not given."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=default)
+    ap.add_argument("--force", action="store_true", help="rewrite the folder even if it is complete")
+    args = ap.parse_args()
+    if complete(args.out) and not args.force:
+        print(f"{args.out}: present, nothing to do")
+        return None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    return args.out
 
 
 def convert(folder: Path, gguf_name: str, out: Path):
