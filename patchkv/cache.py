@@ -139,10 +139,8 @@ class LatentLayer(CacheLayerMixin):
         if not self.is_initialized:
             empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
             self.tensors = {name: empty[name.split("_")[1]] for name in ("sink_keys", "sink_values", "recent_keys",
-                                                                          "recent_values", "salient_keys",
-                                                                          "salient_values")}
-            self.tensors.update(salient_index=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.int32),
-                                salient_score=keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.float32))
+                                                                          "recent_values")}
+            self.tensors.update(no_salient(keys, values))
             for name, codec in zip(("latent_keys", "latent_values"), (self.patch.keys, self.patch.values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
@@ -197,8 +195,7 @@ class LatentLayer(CacheLayerMixin):
         held = {name: torch.cat([t[name], new], dim=2) for name, new in zip(
             SALIENT, (keys, values, index, score.to(torch.float32)))}
         if held["salient_score"].shape[2] > capacity:
-            best = held["salient_score"].squeeze(-1).topk(capacity, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
-            held = {name: x.gather(2, best.expand(-1, -1, -1, x.shape[-1])) for name, x in held.items()}
+            held = _best(held, held["salient_score"].squeeze(-1), capacity)
         t.update(held)
 
     def _grow(self, name: str, new: torch.Tensor) -> None:
@@ -222,11 +219,8 @@ class LatentLayer(CacheLayerMixin):
         valid = t["salient_index"].squeeze(-1) < middle
         if bool(valid.all()):
             return
-        keep = int(valid.sum(-1).min())
         score = t["salient_score"].squeeze(-1).masked_fill(~valid, float("-inf"))
-        best = score.topk(keep, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
-        for name in SALIENT:
-            t[name] = t[name].gather(2, best.expand(-1, -1, -1, t[name].shape[-1]))
+        t.update(_best({name: t[name] for name in SALIENT}, score, int(valid.sum(-1).min())))
 
     def _keep_last(self, n: int) -> None:
         """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, so the
@@ -516,6 +510,22 @@ def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
             mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
     values = [seen.sink_values.to(dtype), middle_values, seen.recent_values.to(dtype)]
     return _joined(keys), _joined(values)
+
+
+def no_salient(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Empty salient regions for a layer whose keys and values are like `keys`, `values` `[batch, kv_heads, n,
+    head_dim]` (a plan without salience, or a cache file written before salient regions existed)."""
+    shape = (*keys.shape[:2], 0, 1)
+    return {"salient_keys": keys[:, :, :0], "salient_values": values[:, :, :0],
+            "salient_index": keys.new_zeros(shape, dtype=torch.int32),
+            "salient_score": keys.new_zeros(shape, dtype=torch.float32)}
+
+
+def _best(regions: dict[str, torch.Tensor], score: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """The salient `regions` `[batch, kv_heads, s, ...]` cut to each KV head's `k` best by `score` `[batch,
+    kv_heads, s]`, kept in their order."""
+    best = score.topk(k, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
+    return {name: x.gather(2, best.expand(-1, -1, -1, x.shape[-1])) for name, x in regions.items()}
 
 
 def overlay(middle: torch.Tensor, exact: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

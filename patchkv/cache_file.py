@@ -29,10 +29,10 @@ and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" th
 
 `load_cache` reads tensors and JSON only (nothing is executed) and raises `PatchKVError` naming what differs
 unless: the entry is there at version 2 (or 1, written before the salient regions existed: read with none); the
-fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every region is present with its declared shape and dtype, each layer's regions
-agree on the batch and hold at most the tokens it has seen, its salient regions agree on their count and
-point into its middle, and the position track covers every layer; deflated
-regions inflate to exactly their declared bytes with their crc32.
+fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every region is
+present with its declared shape and dtype, each layer's regions agree on the batch and hold at most the tokens it
+has seen, its salient regions agree on their count and point into its middle, and the position track covers every
+layer; deflated regions inflate to exactly their declared bytes with their crc32.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import REGIONS, SALIENT, LatentCache
+from .cache import REGIONS, SALIENT, LatentCache, no_salient
 from .errors import PatchKVError
 
 FORMAT = "patchkv_cache"
@@ -179,9 +179,7 @@ def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, tor
     indices inside the middle; empty ones for a version 1 file."""
     keys = held["sink_keys"]
     if "salient_keys" not in held:
-        return {"salient_keys": keys[:, :, :0], "salient_values": held["sink_values"][:, :, :0],
-                "salient_index": torch.zeros(*keys.shape[:2], 0, 1, dtype=torch.int32),
-                "salient_score": torch.zeros(*keys.shape[:2], 0, 1, dtype=torch.float32)}
+        return no_salient(keys, held["sink_values"])
     sal = {name: held[name] for name in SALIENT}
     shapes = {name: tuple(t.shape) for name, t in sal.items()}
     count = sal["salient_keys"].shape[:3]

@@ -5,8 +5,8 @@ A plan says what the cache stores and how attention reads it:
 - `codec`: how the latent middle is stored (one per plan): `LowRank` floats or `Quantized` DP codes;
 - `sink_tokens` / `window`: the first and the last tokens kept as exact K/V (`SinksWindow`);
 - `selector`: decode-time token selection over the latent middle (`TopK`);
-- `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`CodeError`,
-  `KeyNorm`; `Salience`).
+- `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`Salience`:
+  `Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`).
 
 A new method is one file in this folder: a dataclass subclassing `Method` with a `name`, validated fields
 and `configure`, registered in `patchkv/methods/__init__.py`. The CLI and the evals read that registry.
@@ -146,6 +146,15 @@ class Salience(Method):
         method that `observes` (None where the layer has none, e.g. effect-weight calibration) -> float32 `[batch,
         kv_heads, n]`, higher kept first."""
         raise NotImplementedError
+
+    @staticmethod
+    def variances(lp: LayerPatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each KV head's total variance of keys and of values in `lp`'s layer (the sum of the artifact's
+        eigenvalues), float32 `[kv_heads]` each on the codecs' device: what scorers divide squared distances by, so
+        that keys and values weigh alike."""
+        artifact, device = lp.patch.artifact, lp.keys.rows.device
+        return tuple(c.eigenvalues[lp.layer_idx].float().sum(-1).clamp_min(1e-12).to(device)
+                     for c in (artifact.keys, artifact.values))
 
     def configure(self, plan: CachePlan) -> CachePlan:
         return replace(plan, salience=self)

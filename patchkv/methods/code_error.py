@@ -28,10 +28,8 @@ class CodeError(Salience):
 
     def score(self, lp, keys, values, stored, observed=None):
         total = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-        for codec, exact, codes, spectrum in zip((lp.keys, lp.values), (keys, values), stored,
-                                                 (lp.patch.artifact.keys, lp.patch.artifact.values)):
+        for codec, exact, codes, variance in zip((lp.keys, lp.values), (keys, values), stored, self.variances(lp)):
             decoded = kernels.reconstruct(codes.squeeze(1), codec.table, codec.rows, codec.kernel_mean, None,
                                           torch.float32)
-            variance = spectrum.eigenvalues[lp.layer_idx].float().sum(-1).clamp_min(1e-12).to(keys.device)
             total += (exact.float() - decoded).square().sum(-1) / variance[:, None]
         return total

@@ -44,11 +44,10 @@ class Novelty(Salience):
             return total
         picked = torch.linspace(0, n - 1, min(self.references, n), device=keys.device).round().long().unique()
         near = (torch.arange(n, device=keys.device)[:, None] - picked[None, :]).abs() <= NEIGHBOURS
-        for x, spectrum in ((keys, lp.patch.artifact.keys), (values, lp.patch.artifact.values)):
+        for x, variance in zip((keys, values), self.variances(lp)):
             x = x.float()
             ref = x[:, :, picked]
             distance = (x.square().sum(-1, keepdim=True) + ref.square().sum(-1).unsqueeze(2)
                         - 2 * x @ ref.transpose(-1, -2))  # [batch, kv_heads, n, references]
-            variance = spectrum.eigenvalues[lp.layer_idx].float().sum(-1).clamp_min(1e-12).to(keys.device)
             total += distance.masked_fill(near, float("inf")).amin(-1).clamp_min(0) / variance[:, None]
         return total
