@@ -33,7 +33,8 @@ def test_push_to_hub_uploads_artifact_and_model_card(tmp_path, monkeypatch):
         for fragment in ("library_name: patchkv", "`pre_rope`", f"{compression_ratio(artifact):.2f}x",
                          "pre_rope | 10.5 (+0.5)", artifact.metadata()["checksum"]):
             assert fragment in card
-        downloaded = patchkv.Artifact.from_pretrained("me/bases", endpoint=hub.url, token="hf_test")
+        downloaded = patchkv.Artifact.from_pretrained("me/bases", endpoint=hub.url, token="hf_test",
+                                                      cache_dir=tmp_path / "c")  # not the user's Hub cache
     assert downloaded.metadata()["checksum"] == artifact.metadata()["checksum"]
     assert any(c.startswith("POST /api/models/me/bases/commit/main") for c in hub.calls)
     x = calibration_ids(1, 16, seed=1)
