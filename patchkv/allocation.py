@@ -54,34 +54,44 @@ def expected_distortion(eigenvalues: torch.Tensor, bits: torch.Tensor) -> torch.
     return (eigenvalues.double().clamp_min(0) * mse[bits.long()]).sum()
 
 
-def allocate_bits_global(eigenvalues: torch.Tensor, budget: int, max_bits: int = MAX_BITS) -> torch.Tensor:
-    """Bits per component minimising sum_c eigenvalues[c] * GAUSSIAN_MSE[b_c] subject to sum_c b_c <= budget.
+def allocate_bits_global(eigenvalues: torch.Tensor, budget: int, max_bits: int = MAX_BITS,
+                         prices: torch.Tensor | None = None) -> torch.Tensor:
+    """Bits per component minimising sum_c eigenvalues[c] * GAUSSIAN_MSE[b_c] subject to sum_c b_c <= budget
+    (with `prices`: sum_c prices[c] * b_c <= budget).
 
     eigenvalues: `[n]` cost-variances of every component in the pool (all layers, heads, keys and values
     concatenated; they must share one unit, e.g. from `weighted_pca` with effect weights). budget: total
-    bits (0 <= budget; at most n * max_bits are used). Returns int64 `[n]`. Exact: the budget largest
-    marginal gains (ties broken towards the lower index, then fewer bits), which is optimal because each
-    component's gains decrease with b.
+    bits (0 <= budget; at most n * max_bits are used). prices: `[n]` > 0, what a bit of each component costs
+    (a component of a layer that holds fewer tokens costs less, `layer_prices`); None: 1 each. Returns int64
+    `[n]`. The bits of the largest marginal gains per price (ties broken towards the lower index, then fewer
+    bits), taken in that order while the budget lasts: exact without prices, because each component's gains
+    decrease with b; with prices the greedy optimum of the knapsack, short of the exact one by at most the last
+    bit's gain.
     """
     if eigenvalues.dim() != 1:
         raise ValueError(f"eigenvalues must be 1-d [n], got shape {tuple(eigenvalues.shape)}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     n = eigenvalues.shape[0]
-    gains = marginal_gains(eigenvalues, max_bits).flatten()          # index c * max_bits + b
-    budget = min(int(budget), n * max_bits)
-    if budget == 0:
-        return torch.zeros(n, dtype=torch.int64)
+    gains = marginal_gains(eigenvalues, max_bits)                    # [n, max_bits]
+    if prices is not None:
+        gains = gains / prices.double()[:, None]
     # stable descending sort: equal gains keep (component, bit) order, so a component's bits stay a prefix
-    order = torch.sort(gains, descending=True, stable=True).indices[:budget]
+    order = torch.sort(gains.flatten(), descending=True, stable=True).indices   # index c * max_bits + b
+    if prices is None:
+        order = order[:min(int(budget), n * max_bits)]
+    else:
+        order = order[prices.double()[order // max_bits].cumsum(0) <= budget]
     return torch.bincount(order // max_bits, minlength=n).to(torch.int64)
 
 
-def allocate_bits_grouped(eigenvalues: list[torch.Tensor], budget: int, max_bits: int = MAX_BITS
-                          ) -> list[torch.Tensor]:
-    """`allocate_bits_global` over a list of groups (e.g. one per layer, head and K/V): `[n_g]` each -> bits `[n_g]`."""
+def allocate_bits_grouped(eigenvalues: list[torch.Tensor], budget: int, max_bits: int = MAX_BITS,
+                          prices: list[float] | None = None) -> list[torch.Tensor]:
+    """`allocate_bits_global` over a list of groups (e.g. one per layer, head and K/V): `[n_g]` each -> bits `[n_g]`;
+    `prices` one per group (what a bit of its components costs), None for 1 each."""
     sizes = [int(e.numel()) for e in eigenvalues]
-    bits = allocate_bits_global(torch.cat([e.flatten() for e in eigenvalues]), budget, max_bits)
+    each = None if prices is None else torch.cat([torch.full((size,), float(p)) for size, p in zip(sizes, prices)])
+    bits = allocate_bits_global(torch.cat([e.flatten() for e in eigenvalues]), budget, max_bits, each)
     return list(torch.split(bits, sizes))
 
 
@@ -112,9 +122,11 @@ def weighted_pca(cov: torch.Tensor, weight: torch.Tensor | None = None, ridge: f
     return (enc, lam, dec) if return_decoder else (enc, lam)
 
 
-def allocate_to_bytes(costs: list[torch.Tensor], byte_budget: int, max_bits: int = MAX_BITS) -> list[torch.Tensor]:
+def allocate_to_bytes(costs: list[torch.Tensor], byte_budget: int, max_bits: int = MAX_BITS,
+                      prices: list[float] | None = None) -> list[torch.Tensor]:
     """Bits per component for groups that are each packed to whole bytes (one group = one layer's key or value
-    codes), with at most `byte_budget` bytes in all: sum_g ceil(sum(bits_g) / 8) <= byte_budget.
+    codes), with at most `byte_budget` bytes in all: sum_g ceil(sum(bits_g) / 8) <= byte_budget (with `prices`,
+    one per group: sum_g prices[g] * ceil(sum(bits_g) / 8) <= byte_budget).
 
     costs: one `[n_g]` tensor of cost-variances per group (one shared unit). The pool is the largest number of
     bits whose global allocation fits once each group is rounded up to whole bytes (found by bisection: the
@@ -123,15 +135,17 @@ def allocate_to_bytes(costs: list[torch.Tensor], byte_budget: int, max_bits: int
     """
     if byte_budget < 0:
         raise ValueError(f"byte_budget must be >= 0, got {byte_budget}")
+    weights = [1.0] * len(costs) if prices is None else prices
 
-    def used_bytes(budget: int) -> int:
-        return sum(-(-int(b.sum()) // 8) for b in allocate_bits_grouped(costs, budget, max_bits))
+    def used_bytes(budget: int) -> float:
+        return sum(w * -(-int(b.sum()) // 8) for w, b in zip(weights, allocate_bits_grouped(costs, budget, max_bits,
+                                                                                              prices)))
 
     low, high = 0, byte_budget * 8  # used_bytes(0) == 0 fits; find the largest pool that fits
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if used_bytes(mid) <= byte_budget else (low, mid - 1)
-    bits = allocate_bits_grouped(costs, low, max_bits)
+        low, high = (mid, high) if used_bytes(mid) <= byte_budget + 1e-9 else (low, mid - 1)
+    bits = allocate_bits_grouped(costs, low, max_bits, prices)
     for cost, b in zip(costs, bits):
         gains = marginal_gains(cost.flatten(), max_bits)
         rows = torch.arange(len(b))
@@ -150,21 +164,43 @@ def default_pool(artifact: Artifact) -> str:
     return "global" if artifact.has_effect_weights else "head"
 
 
+def held_tokens(artifact: Artifact, context: int) -> list[int]:
+    """Tokens each layer's cache holds after `context` tokens: all of them, or a sliding-window layer's last
+    `window - 1` (`Artifact.sliding_windows`)."""
+    return [context if window is None else min(context, window - 1) for window in artifact.sliding_windows]
+
+
+def layer_prices(artifact: Artifact, context: int | None) -> list[float] | None:
+    """What a bit of one token's code costs in each layer at `context` tokens, relative to the mean over layers:
+    the tokens the layer holds (`held_tokens`) over the mean held, so a sliding-window layer's bits are cheaper
+    when the context is longer than its window. None when every layer holds the same (or `context` is None)."""
+    if context is None:
+        return None
+    held = held_tokens(artifact, context)
+    if len(set(held)) == 1:
+        return None
+    mean = sum(held) / len(held)
+    return [h / mean for h in held]
+
+
 def cost_variances(components: Components) -> torch.Tensor:
     """What dropping each component costs, in nats per token (eigenvalue x effect weight): `[L, H, d]` float64.
     Needs effect weights."""
     return components.eigenvalues.double().clamp_min(0) * components.weights.double()
 
 
-def bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+def bit_allocation(artifact: Artifact, bits: int, pool: str = "head", context: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bits per component `[layers, kv_heads, head_dim]` int64 for keys and for values, `bits` per head and token
-    on average: what `Quantized(bits, pool)` codes with.
+    on average: what `Quantized(bits, pool, context=context)` codes with.
 
     pool="head": exactly `bits` for every head's keys and every head's values, by dynamic programming on that
     head's eigenvalues (`patchkv.quantize.allocate_bits`). pool="global": one pool of
     `bits x layers x kv_heads x 2` bits shared by every layer, head, key and value, allocated on the
     cost-variances (`cost_variances`) so the expected loss increase is minimal, with each layer's key and value
     codes packed to whole bytes within the pool (`allocate_to_bytes`); needs an artifact with effect weights.
+    With `context`, a bit of the global pool costs what the layer holds at that context (`layer_prices`): the
+    average is over the tokens the cache holds, and a sliding-window layer gets more bits per token.
     """
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
@@ -179,20 +215,24 @@ def bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[t
                          "or `patchkv calibrate --fisher-tokens 8192`; or use pool='head'.")
     layers, heads = artifact.num_layers, artifact.num_kv_heads
     per_kind = [cost_variances(c) for c in (artifact.keys, artifact.values)]
+    prices = layer_prices(artifact, context)
     groups = allocate_to_bytes([c[layer].flatten() for layer in range(layers) for c in per_kind],
-                               bits * layers * heads * 2 // 8)
+                               bits * layers * heads * 2 // 8, prices=None if prices is None else
+                               [p for p in prices for _ in per_kind])
     keys = torch.stack([groups[2 * layer] for layer in range(layers)]).view(layers, heads, dim)
     values = torch.stack([groups[2 * layer + 1] for layer in range(layers)]).view(layers, heads, dim)
     return keys, values
 
 
-def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head", context: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bits per layer component `[layers, kv_heads * head_dim]` int64 for keys and for values, on the artifact's
     layer bases (format version 5): what `Quantized(bits, pool, basis="layer")` codes with, `bits` per head and
     token on average as `bit_allocation` spends them. pool="head": `bits x kv_heads` for each layer's keys and
     for its values, by dynamic programming on the layer's eigenvalues; pool="global": one pool over every layer,
     key and value on eigenvalue x the layer components' effect weights (`layer_weights`: the layer's whole Fisher
-    matrix over its heads, cross-head terms included), each layer's key and value codes packed to whole bytes."""
+    matrix over its heads, cross-head terms included), each layer's key and value codes packed to whole bytes,
+    priced by `context` as `bit_allocation` does."""
     if not artifact.has_layer_bases:
         raise ValueError("basis='layer' codes on the artifact's layer bases, and this artifact has none (format "
                          f"version {artifact.format_version}). Recalibrate with patchkv.calibrate(..., "
@@ -209,7 +249,9 @@ def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head") -> t
         raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none; recalibrate "
                          "with fisher_tokens=8192, or use pool='head'.")
     costs = [c.layer_eigenvalues.double().clamp_min(0) * c.layer_weights.double() for c in parts]
-    groups = allocate_to_bytes([c[layer] for layer in range(layers) for c in costs], bits * layers * heads * 2 // 8)
+    prices = layer_prices(artifact, context)
+    groups = allocate_to_bytes([c[layer] for layer in range(layers) for c in costs], bits * layers * heads * 2 // 8,
+                               prices=None if prices is None else [p for p in prices for _ in costs])
     return torch.stack(groups[0::2]), torch.stack(groups[1::2])
 
 
@@ -220,14 +262,22 @@ def full_kv_bytes_per_token(artifact: Artifact, element_size: int | None = None)
     return 2 * artifact.num_layers * artifact.num_kv_heads * artifact.head_dim * size
 
 
+def code_bytes(artifact: Artifact, bits: int, pool: str = "head", basis: str = "head", context: int | None = None
+               ) -> list[int]:
+    """Bytes of one token's codes in each layer, keys and values (each rounded up to whole bytes), for
+    `Quantized(bits, pool, basis, context)`."""
+    allocate = layer_bit_allocation if basis == "layer" else bit_allocation
+    keys, values = allocate(artifact, bits, pool, context)
+    return [-(-int(k.sum()) // 8) - (-int(v.sum()) // 8) for k, v in zip(keys, values)]
+
+
 def kv_bytes_per_token(artifact: Artifact, bits: int | None = None, pool: str = "head", basis: str = "head") -> int:
-    """Bytes per token of the latent cache: the kept components of K and V (`ranks`) in the model dtype, summed
-    over layers and heads; with `bits`, the codes of `Quantized(bits, pool, basis)` (each layer's K and V codes
-    rounded up to whole bytes)."""
+    """Bytes per token of the latent cache, over every layer: the kept components of K and V (`ranks`) in the
+    model dtype, summed over layers and heads; with `bits`, the codes of `Quantized(bits, pool, basis)`
+    (`code_bytes`)."""
     if bits is None:
         return int(artifact.keys.ranks.sum() + artifact.values.ranks.sum()) * artifact.element_size
-    allocate = layer_bit_allocation if basis == "layer" else bit_allocation
-    return sum(-(-int(a[layer].sum()) // 8) for a in allocate(artifact, bits, pool) for layer in range(len(a)))
+    return sum(code_bytes(artifact, bits, pool, basis))
 
 
 def compression_ratio(artifact: Artifact, bits: int | None = None, pool: str = "head") -> float:

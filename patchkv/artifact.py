@@ -1,6 +1,6 @@
 """The patchkv artifact: calibrated PCA bases for one model, as safetensors plus JSON metadata.
 
-Format, versions 1 to 5
+Format, versions 1 to 6
 =======================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
 `H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
@@ -49,8 +49,14 @@ These are the layer bases that `Quantized(basis="layer")` codes on: one basis pe
 so a token's code for a layer is one latent read by every head (`calibrate(..., layer_bases=True)`). They are
 the whole spectrum, as the per-head bases are.
 
-An artifact is written at the lowest version that holds it: 5 with layer bases, else 4 with step scales, else 2
-with effect weights, else 1, so files without the newer tensors stay readable by older readers.
+A version 6 file is the artifact of a model with sliding-window layers: it holds the tensors of any version above
+(the eight; optionally the effect weights; optionally the step scales, exactly when `step_budgets` is given;
+optionally the layer bases, with layer weights exactly when the heads have effect weights) and its `model` object
+has a tenth field, `sliding_windows`, that says how many tokens each layer holds (what budgets count bytes by).
+
+An artifact is written at the lowest version that holds it: 6 for a model with sliding-window layers, else 5 with
+layer bases, else 4 with step scales, else 2 with effect weights, else 1, so files without the newer tensors stay
+readable by older readers.
 
 Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
 `post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
@@ -58,12 +64,15 @@ without recalibrating; only `ranks` components per head are used at inference.
 
 The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
-    format_version  1, 2, 3, 4 or 5 (see above)
+    format_version  1, 2, 3, 4, 5 or 6 (see above)
     mode            "pre_rope" | "post_rope"
     model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-                     "dtype"}; `apply` refuses a model whose fields differ (name and
-                     architecture class excepted)
+                     "dtype"} and, in version 6 only, "sliding_windows": one entry per layer, the
+                     layer's attention window (a positive integer) or null for full attention, at
+                     least one an integer; `apply` refuses a model whose fields differ (name,
+                     architecture class and dtype excepted; a model without the field attends
+                     fully in every layer)
     calibration     free-form JSON object: source, tokens, sequences, seq_len, sink_tokens,
                     rank selection, the calibration dtype, the step-scale fits; information only,
                     never read to decide how the cache works (a version 3 file's step-scale budget
@@ -86,18 +95,20 @@ head) unless all of the following hold, in this order:
    bytes parsed, so a file replaced meanwhile cannot be loaded under another file's hash.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1, 2, 3, 4 or 5;
+3. `format_version` is the integer 1, 2, 3, 4, 5 or 6;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
-5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above, whose
-   `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`, `num_attention_heads`,
-   `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of float32, float16,
-   bfloat16, float64; `calibration` an object; `step_budgets` (version 4; version 5 when present) a non-empty
-   list of distinct objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or
-   "global");
+5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above (ten in
+   version 6), whose `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`,
+   `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of
+   float32, float16, bfloat16, float64, `sliding_windows` a list of `num_hidden_layers` entries, each null or a
+   positive integer, at least one an integer, given exactly in version 6; `calibration` an object;
+   `step_budgets` (version 4; versions 5 and 6 when present) a non-empty list of distinct objects with exactly
+   the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
    version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
 6. exactly the eight tensors (version 1), ten (version 2), ten or twelve (versions 3 and 4), or the six layer
    tensors, the eight, the effect weights with the two layer weights where present, and the step scales exactly
-   when `step_budgets` is given (version 5), float32 and (ranks) int32, of the shapes above (step scales
+   when `step_budgets` is given (version 5), or (version 6) the eight with any of those optional sets as in version
+   5, float32 and (ranks) int32, of the shapes above (step scales
    `[B, L, H]` with B the number of budgets), agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
@@ -141,8 +152,8 @@ from .pca import select_ranks
 from .quantize import MAX_BITS
 
 #: the newest format this version reads and writes (each file is written at the lowest version that holds it)
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 #: the fields `apply` checks (dtype is information: bases are cast to the model's dtype at `apply`)
@@ -151,8 +162,10 @@ _CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "nu
 _STR_FIELDS = ("model_type", "architecture", "name_or_path")
 _INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
-#: exactly the fields of the metadata's `model` object
+#: exactly the fields of the metadata's `model` object (and, in version 6, `SLIDING_WINDOWS`)
 MODEL_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "dtype")
+#: the model field of a version 6 artifact: each layer's attention window, None for full attention
+SLIDING_WINDOWS = "sliding_windows"
 META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
 TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
@@ -213,10 +226,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def model_identity(model: nn.Module) -> dict[str, Any]:
-    """The fields of `model` that an artifact must match, plus its name and architecture class."""
+    """The fields of `model` that an artifact must match, plus its name and architecture class; `sliding_windows`
+    only for a model with a sliding-window layer."""
     config = model.config
     adapter = adapter_for(model)
-    attn = attention_modules(model, adapter)[0]
+    modules = attention_modules(model, adapter)
+    attn = modules[0]
+    windows = [adapter.sliding_window(m) for m in modules]
     return {
         "model_type": config.model_type,
         "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
@@ -227,6 +243,7 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
         "head_dim": adapter.head_dim(attn),
         "hidden_size": config.hidden_size,
         "dtype": dtype_name(adapter.dtype(attn)),
+        **({SLIDING_WINDOWS: windows} if any(w is not None for w in windows) else {}),
     }
 
 
@@ -271,6 +288,12 @@ class Artifact:
         return torch.empty(0, dtype=getattr(torch, self.model["dtype"])).element_size()
 
     @property
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window, None for a layer that attends to every token (all None for a model
+        without sliding-window layers)."""
+        return list(self.model.get(SLIDING_WINDOWS) or [None] * self.num_layers)
+
+    @property
     def has_effect_weights(self) -> bool:
         return self.keys.weights is not None
 
@@ -285,8 +308,10 @@ class Artifact:
 
     @property
     def format_version(self) -> int:
-        """The version this artifact is written at: 5 with layer bases, else 4 with step scales, else 2 with effect
-        weights, else 1."""
+        """The version this artifact is written at: 6 for a model with sliding-window layers, else 5 with layer
+        bases, else 4 with step scales, else 2 with effect weights, else 1."""
+        if SLIDING_WINDOWS in self.model:
+            return 6
         return 5 if self.has_layer_bases else 4 if self.has_step_scales else 2 if self.has_effect_weights else 1
 
     # ----- re-targeting ------------------------------------------------------------------------
@@ -313,15 +338,27 @@ class Artifact:
         out.model["dtype"] = name
         return out
 
+    def with_sliding_windows(self, windows: list[int | None]) -> Artifact:
+        """A copy (tensors shared) recording each layer's attention window (None: full attention), for an artifact
+        of a model with sliding-window layers saved before format version 6; all None records none."""
+        model = {k: v for k, v in self.model.items() if k != SLIDING_WINDOWS}
+        if any(w is not None for w in windows):
+            model[SLIDING_WINDOWS] = list(windows)
+        return Artifact(mode=self.mode, model=model, keys=self.keys, values=self.values,
+                        calibration=dict(self.calibration), step_budgets=self.step_budgets)
+
     # ----- compatibility -----------------------------------------------------------------------
     def check_compatible(self, model: nn.Module) -> None:
         """Raise `IncompatibleArtifactError` listing every field in which `model` differs from the artifact."""
         found = model_identity(model)
-        diffs = [f"{f}: artifact has {self.model.get(f)!r}, model has {found[f]!r}"
-                 for f in _CHECKED_FIELDS if self.model.get(f) != found[f]]
+        diffs = [f"{f}: artifact has {self.model.get(f)!r}, model has {found.get(f)!r}"
+                 for f in (*_CHECKED_FIELDS, SLIDING_WINDOWS) if self.model.get(f) != found.get(f)]
         if not diffs:
             return
         fix = "Calibrate an artifact for this model with patchkv.calibrate(model, texts, ...)"
+        if [d.split(":")[0] for d in diffs] == [SLIDING_WINDOWS] and SLIDING_WINDOWS not in self.model:
+            fix = ("The artifact predates format version 6, which records the layers' windows (budgets count bytes "
+                   f"by them): artifact.with_sliding_windows({found[SLIDING_WINDOWS]}) records them")
         if [d.split(":")[0] for d in diffs] == ["dtype"]:
             fix = (f"Load the model in {self.model['dtype']}, or accept the precision change with "
                    f"artifact.to_dtype(torch.{found['dtype']})")
@@ -403,9 +440,12 @@ class Artifact:
         try:
             _check_model_fields(meta["model"])
             version = meta["format_version"]
+            if (version == 6) != (SLIDING_WINDOWS in meta["model"]):
+                raise InvalidArtifactError(f"model.{SLIDING_WINDOWS} is given exactly in format version 6 (a model "
+                                           f"with sliding-window layers); this file is version {version}.")
             _check_tensor_set(tensors, version, STEP_BUDGETS in meta)
             budgets = None
-            if version in (4, 5) and STEP_BUDGETS in meta:
+            if version in (4, 5, 6) and STEP_BUDGETS in meta:
                 budgets = _parse_budgets(meta[STEP_BUDGETS], meta["model"]["head_dim"], STEP_BUDGETS)
             elif version == 3:  # one budget, recorded in the calibration summary: read once, here, into a typed field
                 record = meta["calibration"].get("step_scales")
@@ -571,7 +611,7 @@ def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
             f"{file} has artifact format version {version!r}; this patchkv reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}. Install the patchkv version that wrote it, or recalibrate."
         )
-    budgeted = version == 4 or (version == 5 and STEP_BUDGETS in meta)  # version 5: step scales are optional
+    budgeted = version == 4 or (version in (5, 6) and STEP_BUDGETS in meta)  # versions 5, 6: step scales optional
     fields = META_FIELDS + ((STEP_BUDGETS,) if budgeted else ())
     missing = [k for k in fields if k not in meta]
     extra = sorted(k for k in meta if k not in fields)
@@ -625,7 +665,7 @@ def _check_model_fields(model: dict[str, Any]) -> None:
     missing = [k for k in MODEL_FIELDS if k not in model]
     if missing:
         raise InvalidArtifactError(f"model is missing the field(s) {missing} (see patchkv.artifact.model_identity).")
-    extra = sorted(str(k) for k in model if k not in MODEL_FIELDS)
+    extra = sorted(str(k) for k in model if k not in (*MODEL_FIELDS, SLIDING_WINDOWS))
     if extra:
         raise InvalidArtifactError(f"model has the unexpected field(s) {extra}; the format has exactly "
                                    f"{list(MODEL_FIELDS)} (see patchkv.artifact.model_identity).")
@@ -637,16 +677,25 @@ def _check_model_fields(model: dict[str, Any]) -> None:
             raise InvalidArtifactError(f"model.{k} must be a positive integer, got {model[k]!r:.80}.")
     if model["dtype"] not in MODEL_DTYPES:
         raise InvalidArtifactError(f"model.dtype must be one of {MODEL_DTYPES}, got {model['dtype']!r:.80}.")
+    if SLIDING_WINDOWS in model:
+        windows = model[SLIDING_WINDOWS]
+        if (not isinstance(windows, list) or len(windows) != model["num_hidden_layers"]
+                or not all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in windows)
+                or all(w is None for w in windows)):
+            raise InvalidArtifactError(f"model.{SLIDING_WINDOWS} must list each of the {model['num_hidden_layers']} "
+                                       f"layers' attention window (a positive integer, or null for full attention), "
+                                       f"at least one an integer; got {windows!r:.80}.")
 
 
 def _check_tensor_set(tensors: dict[str, torch.Tensor], version: int, budgeted: bool) -> None:
     """Step 6: exactly the eight (version 1), ten (version 2), ten or twelve (versions 3 and 4: step scales, with
     or without effect weights) or the version 5 set (the layer bases; step scales when `budgeted`, the metadata
-    lists step budgets), float32 / int32 as stored in the file."""
-    scaled = version in (3, 4) or (version == 5 and budgeted)
+    lists step budgets), or in version 6 the eight with any of those sets, float32 / int32 as stored in the file."""
+    scaled = version in (3, 4) or (version in (5, 6) and budgeted)
     with_weights = version == 2 or (version >= 3 and any(name.endswith(f".{WEIGHTS}") for name in tensors))
+    layered = version == 5 or (version == 6 and any(name.endswith(f".{LAYER_NAMES[0]}") for name in tensors))
     stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if scaled else ()) \
-        + (LAYER_NAMES + ((LAYER_WEIGHTS,) if with_weights else ()) if version == 5 else ())
+        + (LAYER_NAMES + ((LAYER_WEIGHTS,) if with_weights else ()) if layered else ())
     names = {f"{kind}.{n}" for kind in KINDS for n in stored}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:

@@ -9,6 +9,11 @@ position per token grow with it, so `bits_for_ratio` picks the most bits per hea
 `context` tokens holds at most `16-bit bytes / ratio` per token. The global pool (one bit pool over every layer,
 head, key and value, by effect weight) needs an artifact with effect weights; without them the per-head pool is
 used.
+
+Bytes are those the caches hold: a sliding-window layer holds only its last `window - 1` tokens, in the unpatched
+cache as in patchkv's, so for a model with such layers (Gemma 3, Mistral or Qwen2 configs with a window) the 16-bit
+reference at `context` counts what each layer holds (`sixteen_bit_bytes(artifact, context)`), and the global pool is
+priced by it (`Quantized(..., context=context)`: bits in a layer that holds fewer tokens cost less).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from .allocation import default_pool, full_kv_bytes_per_token, kv_bytes_per_token
+from .allocation import code_bytes, default_pool, full_kv_bytes_per_token, held_tokens
 from .methods import Method, Quantized, Salience, SinksWindow, parse_method
 
 #: the sinks and recent window every budget keeps exact (and counts)
@@ -29,19 +34,31 @@ SALIENT_INDEX_BYTES = 8
 DEFAULT_BUDGETS = ("4x", "8x", "16x")
 
 
-def sixteen_bit_bytes(artifact) -> int:
-    """Bytes per token of the uncompressed cache in a 16-bit dtype (bf16 / fp16): what ratios are quoted against."""
-    return full_kv_bytes_per_token(artifact, element_size=2)
+def sixteen_bit_bytes(artifact, context: int | None = None) -> float:
+    """Bytes per token of the uncompressed cache in a 16-bit dtype (bf16 / fp16), what ratios are quoted against:
+    every layer holding every token, or with `context` what the unpatched cache holds after that many tokens (a
+    sliding-window layer its last `window - 1`), per token of the context."""
+    full = full_kv_bytes_per_token(artifact, element_size=2)
+    if context is None:
+        return full
+    return full * sum(held_tokens(artifact, context)) / (artifact.num_layers * context)
 
 
 def salient_bytes(artifact, salience: Salience | None, middle: int) -> int:
     """Bytes a `salience` method's exact tokens take over a middle of `middle` coded tokens: per KV head of every
-    layer, `capacity(middle)` keys and values in 16 bits with their index and score (a sliding-window layer keeps
-    none, so this is an upper bound for models that have them)."""
+    full-attention layer (a sliding-window layer keeps none), `capacity(middle)` keys and values in 16 bits with
+    their index and score."""
     if salience is None:
         return 0
     per_head = 2 * artifact.head_dim * 2 + SALIENT_INDEX_BYTES
-    return salience.capacity(middle) * per_head * artifact.num_layers * artifact.num_kv_heads
+    full_layers = sum(window is None for window in artifact.sliding_windows)
+    return salience.capacity(middle) * per_head * full_layers * artifact.num_kv_heads
+
+
+def exact_tokens(held: int, context: int, sink_tokens: int, window: int) -> int:
+    """Of the `held` tokens a layer holds after `context`, those kept exact: the sinks and the window, or, for a
+    sliding-window layer past its window (it no longer holds the sinks), the window alone."""
+    return min(context, sink_tokens + window) if held == context else min(held, window)
 
 
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
@@ -50,13 +67,15 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     `salience`'s exact tokens) whose whole cache at `context` tokens (exact sinks and window in 16 bits, codes, the
     salient tokens, positions) holds at most the 16-bit cache's bytes / `ratio` per token. Raises ValueError if even
     1 bit per head does not fit."""
-    full = sixteen_bit_bytes(artifact)
-    exact = min(sink_tokens + window, context)
-    salient = salient_bytes(artifact, salience, context - exact)
+    full = sixteen_bit_bytes(artifact, context)
+    layer_token = full_kv_bytes_per_token(artifact, element_size=2) / artifact.num_layers  # one token, one layer
+    held = held_tokens(artifact, context)
+    exact = [exact_tokens(h, context, sink_tokens, window) for h in held]
+    salient = salient_bytes(artifact, salience, context - min(sink_tokens + window, context))
 
     def total(bits: int) -> float:
-        codes = (context - exact) * kv_bytes_per_token(artifact, bits, pool, basis)
-        return (exact * full + codes + salient) / context + POSITION_BYTES
+        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, pool, basis, context)))
+        return (sum(exact) * layer_token + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
         kept = f"{sink_tokens} sinks and a {window}-token window" + (f" and {salience.spec()}" if salience else "")
@@ -87,10 +106,13 @@ class Budget:
         return size + (f"+{self.salience.spec()}" if self.salience is not None else "")
 
     def quantized(self, artifact, context: int) -> Quantized:
+        """The codes of this budget at `context` tokens, their pool priced at `context` when the model has
+        sliding-window layers and the pool is global."""
         pool = self.pool or default_pool(artifact)
         bits = self.bits if self.bits is not None else bits_for_ratio(
             artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience)
-        return Quantized(bits, pool=pool, basis=self.basis)
+        sliding = any(window is not None for window in artifact.sliding_windows)
+        return Quantized(bits, pool=pool, basis=self.basis, context=context if sliding and pool == "global" else None)
 
     def methods(self, artifact, context: int) -> list[Method]:
         """[SinksWindow(*EXACT), Quantized(bits, pool)] (and the salience method) meeting this budget at `context`

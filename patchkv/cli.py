@@ -170,7 +170,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                 q = budget.quantized(artifact, args.context)
                 print(f"fitting step scales for {budget} ({q.bits} bits per head, {q.pool} pool, at {args.context} "
                       "tokens)", flush=True)
-                artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool,
+                artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool, context=q.context,
                                            sink_tokens=args.sink_tokens, window=args.window, chunk=args.step_chunk,
                                            passes=2)
             try:

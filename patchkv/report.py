@@ -5,7 +5,8 @@ the artifact: `SinksWindow(4, 32)` + `Quantized` codes meeting the ratio at the 
 fitted for it):
 
 - KV bytes per token, measured on the cache after the text (everything: codes, exact sinks and window, positions;
-  quanto's scales and residual), and the compression against the 16-bit cache;
+  quanto's scales and residual), and the compression against the 16-bit cache the unpatched model holds after that
+  text (`patchkv.budgets.sixteen_bit_bytes`: a sliding-window layer holds its last `window - 1` tokens);
 - token perplexity of each text, fed `chunk` tokens per forward through the cache (`patchkv.perplexity`);
 - a needle-in-a-haystack check at the context: a sentence holding a random 7-digit number is put at several depths
   of the first text, the question at its end, greedy decoding through the cache must write the number;
@@ -129,7 +130,6 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
     rng = random.Random(seed)
     numbers = [rng.randrange(1_000_000, 9_999_999) for _ in depths]
     encoded = [(name, _ids(tokenizer, text, context)) for name, text in texts]
-    full = sixteen_bit_bytes(artifact)
     rows = []
     for name, patch, factory, note in _configs(model, artifact, budgets, context, quantized_cache):
         row = Row(name, note=note)
@@ -144,7 +144,7 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
                 row.perplexity[label] = scored.perplexity
                 if label == encoded[0][0]:
                     row.bytes_per_token = cache_nbytes(scored.cache) / ids.shape[1]
-                    row.compression = full / row.bytes_per_token
+                    row.compression = sixteen_bit_bytes(artifact, ids.shape[1]) / row.bytes_per_token
                     row.continuation = tokenizer.decode(_greedy(model, scored.last_logits, scored.cache, continuation))
             found = 0
             for depth, number in zip(depths, numbers):

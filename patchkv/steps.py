@@ -39,9 +39,10 @@ GRID = (1.0, 1.25, 1.5, 1.75)
 
 @torch.no_grad()
 def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tensor, *, bits: int, pool: str = "head",
-                    sink_tokens: int = 4, window: int = 32, chunk: int | None = None,
+                    context: int | None = None, sink_tokens: int = 4, window: int = 32, chunk: int | None = None,
                     grid: tuple[float, ...] = GRID, passes: int = 3) -> Artifact:
-    """A copy of `artifact` with step scales (format version 4) fitted for `Quantized(bits, pool)` behind
+    """A copy of `artifact` with step scales (format version 4) fitted for `Quantized(bits, pool, context=context)`
+    (a budget's codes, `Budget.quantized`: `context` prices the pool of a model with sliding-window layers) behind
     `SinksWindow(sink_tokens, window)` on `input_ids` `[batch, seq]` (unpadded calibration text, held out from
     what you evaluate on), fed `chunk` tokens per forward (default: half the window, at least 1). `model` is
     the unpatched model the artifact was calibrated for. The search is coordinate-wise over `grid`: the keys'
@@ -59,7 +60,7 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
     if passes not in (1, 2, 3):
         raise ValueError(f"passes must be 1, 2 or 3, got {passes}.")
     chunk = chunk or max(1, window // 2)
-    methods = [SinksWindow(sink_tokens, window), Quantized(bits, pool=pool)]
+    methods = [SinksWindow(sink_tokens, window), Quantized(bits, pool=pool, context=context)]
     tried: dict[tuple[float, float], float] = {}
 
     def loss(scales: tuple[float, float]) -> float:

@@ -100,15 +100,21 @@ class LayerQuantizedCodec(QuantizedCodec):
 class Quantized(CodecMethod):
     """`bits` per KV head and token on average, for keys and for values (e.g. 64 bits = 16x smaller than bf16 at
     head_dim 64); `pool` "head" (the same budget for each head) or "global" (one pool by effect weight); `basis`
-    "head" (each KV head's PCA) or "layer" (one PCA per layer, shared by its KV heads; module docstring)."""
+    "head" (each KV head's PCA) or "layer" (one PCA per layer, shared by its KV heads; module docstring);
+    `context` (global pool only) the context the pool is priced at, for a model with sliding-window layers: a bit
+    costs what its layer holds there (`patchkv.allocation.layer_prices`), `bits` is the average over the tokens
+    the cache holds, and a sliding layer gets more bits per token; None prices every layer alike."""
 
     name = "quantized"
     bits: int = 64
     pool: str = "head"
     basis: str = "head"
+    context: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "bits", check_int("quantized", "bits", self.bits, 1))
+        if self.context is not None:
+            object.__setattr__(self, "context", check_int("quantized", "context", self.context, 1))
         if self.pool not in POOLS:
             raise ValueError(f"quantized: pool must be one of {POOLS}, got {self.pool!r}.")
         if self.basis not in BASES:
@@ -116,12 +122,13 @@ class Quantized(CodecMethod):
 
     def spec(self) -> str:
         return (f"quantized:bits={self.bits}" + ("" if self.pool == "head" else f",pool={self.pool}")
-                + ("" if self.basis == "head" else f",basis={self.basis}"))
+                + ("" if self.basis == "head" else f",basis={self.basis}")
+                + ("" if self.context is None else f",context={self.context}"))
 
     def codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
         if self.basis == "layer":
             return self._layer_codecs(artifact, query_groups, dtype)
-        allocation = bit_allocation(artifact, self.bits, self.pool)  # refuses a budget out of range
+        allocation = bit_allocation(artifact, self.bits, self.pool, self.context)  # refuses a budget out of range
         scales = step_scales_for(artifact, self.bits, self.pool)
         out = []
         for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *allocation)):
@@ -134,7 +141,7 @@ class Quantized(CodecMethod):
         return out
 
     def _layer_codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
-        allocation = layer_bit_allocation(artifact, self.bits, self.pool)  # refuses an artifact without layer bases
+        allocation = layer_bit_allocation(artifact, self.bits, self.pool, self.context)  # refuses one without them
         scales = step_scales_for(artifact, self.bits, self.pool)
         heads = artifact.num_kv_heads
         out = []
