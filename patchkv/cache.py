@@ -47,6 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .context import LayerPatch
 from .errors import PatchKVError
+from .memory import storage_nbytes
 from .methods import Observation, Salience
 from .modes import Visible, rebuild
 
@@ -136,8 +137,8 @@ class LatentLayer(CacheLayerMixin):
             raise PatchKVError(f"this cache holds {self.tensors['recent_keys'].dtype} tensors and the model now "
                                f"computes in {keys.dtype} (its dtype changed after the cache was written); start a "
                                "new cache (generate() makes one), or change the dtype before writing it.")
-        if not self.is_initialized:
-            empty = {"keys": keys[:, :, :0], "values": values[:, :, :0]}
+        if not self.is_initialized:  # empty regions of their own, not views that would keep this forward's K/V alive
+            empty = {"keys": _empty(keys), "values": _empty(values)}
             self.tensors = {name: empty[name.split("_")[1]] for name in ("sink_keys", "sink_values", "recent_keys",
                                                                           "recent_values")}
             self.tensors.update(no_salient(keys, values))
@@ -206,11 +207,18 @@ class LatentLayer(CacheLayerMixin):
         prefix = buffer is not None and held.data_ptr() == buffer.data_ptr() and held.stride() == buffer.stride() \
             and held.shape[:2] == buffer.shape[:2]
         if not prefix or total > buffer.shape[2]:
-            buffer = new.new_empty(*new.shape[:2], -(-total // PAGE) * PAGE, new.shape[3])
-            buffer[:, :, :n] = held
-            self.buffers[name] = buffer
+            buffer = self._paged(name, held, total)
         buffer[:, :, n:total] = new
         self.tensors[name] = buffer[:, :, :total]
+
+    def _paged(self, name: str, held: torch.Tensor, room: int) -> torch.Tensor:
+        """Hold the middle `name`, `held` `[batch, 1, n, width]`, as the first tokens of a new buffer of whole pages
+        with room for `room` tokens (the old buffer, if any, is let go); returns the buffer."""
+        n = held.shape[2]
+        buffer = held.new_empty(*held.shape[:2], -(-room // PAGE) * PAGE, held.shape[3])
+        buffer[:, :, :n] = held
+        self.buffers[name], self.tensors[name] = buffer, buffer[:, :, :n]
+        return buffer
 
     def _drop_salient_past(self, middle: int) -> None:
         """After a crop: exact tokens whose middle index is no longer held go. Every KV head keeps as many as the one
@@ -223,12 +231,18 @@ class LatentLayer(CacheLayerMixin):
         t.update(_best({name: t[name] for name in SALIENT}, score, int(valid.sum(-1).min())))
 
     def _keep_last(self, n: int) -> None:
-        """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, so the
-        dropped ones are freed; the window is never longer than n)."""
+        """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, the middle
+        into a new paged buffer, so the dropped ones and the old buffer are freed; the window is never longer than
+        n)."""
         for region, drop in zip(("sink", "latent"), self._oldest(self.kept - n)):
             if drop:
                 for kind in ("keys", "values"):
-                    self.tensors[f"{region}_{kind}"] = self.tensors[f"{region}_{kind}"][:, :, drop:].clone()
+                    name = f"{region}_{kind}"
+                    kept = self.tensors[name][:, :, drop:]
+                    if region == "latent":
+                        self._paged(name, kept, kept.shape[2])
+                    else:
+                        self.tensors[name] = kept.clone()
 
     def _oldest(self, excess: int) -> tuple[int, int]:
         """(sinks, middle tokens) to drop so that `excess` of the oldest tokens go."""
@@ -317,13 +331,10 @@ class LatentLayer(CacheLayerMixin):
         return sum(t.nbytes for t in self.tensors.values())
 
     def allocated_nbytes(self) -> int:
-        """Bytes of storage the layer keeps: `nbytes` plus the middle's unused buffer (under `PAGE` tokens past its
-        end, or tokens cropped away that the buffer still holds)."""
-        held = 0
-        for name, t in self.tensors.items():
-            buffer = self.buffers.get(name)
-            held += buffer.nbytes if buffer is not None and buffer.data_ptr() == t.data_ptr() else t.nbytes
-        return held
+        """Bytes of storage the layer keeps: every storage under its regions and buffers, once and whole (`nbytes`
+        plus the middle's unused buffer: under `PAGE` tokens past its end, or tokens cropped away that it still
+        holds)."""
+        return storage_nbytes([*self.tensors.values(), *self.buffers.values()])
 
     # ----- the CacheLayerMixin interface ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -376,9 +387,10 @@ class LatentLayer(CacheLayerMixin):
                                "cache.activate_past_recording() before generating if you need to roll back.")
         for region in ("recent", "latent", "sink"):
             n = min(remove, self.tensors[f"{region}_keys"].shape[2])
-            if n:
-                for kind in ("keys", "values"):
-                    self.tensors[f"{region}_{kind}"] = self.tensors[f"{region}_{kind}"][:, :, :-n]
+            if n:  # the middle stays a view of its buffer (the next tokens are written after it); exact regions are
+                for kind in ("keys", "values"):  # copied out, so the tokens cropped from them are freed
+                    kept = self.tensors[f"{region}_{kind}"][:, :, :-n]
+                    self.tensors[f"{region}_{kind}"] = kept if region == "latent" else kept.clone()
                 remove -= n
         self._drop_salient_past(self.middle_len)
         self.cumulative_length -= min(-tokens_to_remove, self.cumulative_length)
@@ -474,14 +486,18 @@ class LatentCache(Cache):
         return sum(layer.nbytes() for layer in self.layers) + positions
 
     def allocated_nbytes(self) -> int:
-        """Bytes of storage kept: `nbytes` plus what the layers' middle buffers hold beyond their tokens."""
+        """Bytes of storage kept: every buffer of every layer, whole (`nbytes` plus what the middles' buffers hold
+        beyond their tokens), plus the position track's. The patch's RoPE tables are not the cache's (one for all
+        caches of the model): `patchkv.memory.rope_nbytes(model)`."""
         positions = self.track.positions.untyped_storage().nbytes() if self.track.positions is not None else 0
         return sum(layer.allocated_nbytes() for layer in self.layers) + positions
 
     def describe(self) -> str:
         """One line per layer: its regions' token counts and bytes."""
+        tables = {id(layer.patch.rope): layer.patch.rope for layer in self.layers}
         lines = [f"LatentCache({self.plan_description}), {self.get_seq_length()} tokens, {self.nbytes()} bytes "
-                 f"({self.allocated_nbytes()} allocated)"]
+                 f"({self.allocated_nbytes()} allocated; the patch's RoPE tables, shared by its caches, "
+                 f"{sum(t.nbytes() for t in tables.values())})"]
         for i, layer in enumerate(self.layers):
             kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
             salient = f" ({layer.salient_len} per KV head also exact)" if layer.salient_len else ""
@@ -516,9 +532,15 @@ def no_salient(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tens
     """Empty salient regions for a layer whose keys and values are like `keys`, `values` `[batch, kv_heads, n,
     head_dim]` (a plan without salience, or a cache file written before salient regions existed)."""
     shape = (*keys.shape[:2], 0, 1)
-    return {"salient_keys": keys[:, :, :0], "salient_values": values[:, :, :0],
+    return {"salient_keys": _empty(keys), "salient_values": _empty(values),
             "salient_index": keys.new_zeros(shape, dtype=torch.int32),
             "salient_score": keys.new_zeros(shape, dtype=torch.float32)}
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    """A zero-token tensor like `x` `[batch, kv_heads, n, head_dim]` with storage of its own (a view `x[:, :, :0]`
+    would keep all of x's storage alive)."""
+    return x.new_empty(*x.shape[:2], 0, x.shape[3])
 
 
 def _best(regions: dict[str, torch.Tensor], score: torch.Tensor, k: int) -> dict[str, torch.Tensor]:

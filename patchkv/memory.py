@@ -1,4 +1,11 @@
-"""Bytes a cache really holds, whatever its layers store (full K/V, latents, codes, quanto and HQQ tensors)."""
+"""Bytes a cache really holds, whatever its layers store (full K/V, latents, codes, quanto and HQQ tensors), and what
+a patched model keeps beside its caches.
+
+A `LatentCache` counts its tokens (`nbytes`, what compression ratios are measured on) and its storage
+(`allocated_nbytes`: every buffer it keeps, whole). The RoPE tables pre-RoPE mode rotates cached keys with are the
+patch's, not a cache's: one per rotary table of the model, shared by all its caches, grown to the highest position
+any forward reached; `rope_nbytes(model)` counts them (`LatentCache.describe` shows them too).
+"""
 
 from __future__ import annotations
 
@@ -34,3 +41,21 @@ def cache_nbytes(cache) -> int:
         return cache.nbytes()
     names = ("keys", "values", "_quantized_keys", "_quantized_values")
     return sum(held_nbytes(getattr(layer, name, None)) for layer in cache.layers for name in names)
+
+
+def storage_nbytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (an iterable of tensors): each storage whole and once, however
+    many views of it there are and however few of its bytes they show."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def rope_nbytes(model) -> int:
+    """Bytes of the RoPE tables of `model`'s patch (0 for an unpatched model): kept once for every cache of the
+    model, so counted here and not in a cache's `allocated_nbytes`."""
+    patch = getattr(model, "patchkv", None)
+    tables = {id(lp.rope): lp.rope for lp in patch.layers} if patch is not None else {}
+    return sum(table.nbytes() for table in tables.values())

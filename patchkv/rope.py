@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .adapters import AttentionAdapter
+from .memory import storage_nbytes
 
 
 def length_dependent(rotary: nn.Module) -> str | None:
@@ -41,6 +42,11 @@ class RopeTable:
             like = torch.empty(0, device=device, dtype=torch.float32)
             cos, sin = self.adapter.cos_sin(self.rotary, self.attn, like, grid)
             self.cos, self.sin, self._turn, self._kernel = cos[0].float(), sin[0].float(), None, None
+
+    def nbytes(self) -> int:
+        """Bytes of storage the table keeps: cos and sin, and the kernels' and `turn`'s forms of them once built."""
+        derived = [*(self._kernel or ()), *([self._turn] if isinstance(self._turn, torch.Tensor) else [])]
+        return storage_nbytes([t for t in (self.cos, self.sin, *derived) if t is not None])
 
     def at(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: integer tensor of any shape `[...]` -> cos, sin `[..., rotary_dim]` in `like`'s dtype/device."""
