@@ -27,12 +27,18 @@ The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_ver
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
 and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
 
-`load_cache` reads tensors and JSON only (nothing is executed) and raises `PatchKVError` naming what differs
-unless: the entry is there at version 2 (or 1, written before the salient regions existed: read with none); the
-fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every region is
-present with its declared shape and dtype, each layer's regions agree on the batch and hold at most the tokens it
-has seen, its salient regions agree on their count and point into its middle, and the position track covers every
-layer; deflated regions inflate to exactly their declared bytes with their crc32.
+`load_cache` reads tensors and JSON only (nothing is executed) and checks the whole file against the model's patch
+from its header before it reads a tensor; it raises `PatchKVError` naming what differs (what it found, what the
+patch holds) unless: the entry is there at version 2 (or 1, written before the salient regions existed: read with
+none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
+layer holds all its regions (or none does, for an empty cache) and all have seen the same number of tokens, which is
+the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
+and those are what the layer's patch holds: exact regions in the patch's dtype `[batch, kv_heads, n, head_dim]`, the
+middle in its codec's stored dtype and width `[batch, 1, m, width]`, salient indices int32 and scores float32, one
+batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
+sinks, at most `window` recent tokens, every token seen in a full layer and at least the last `sliding_window - 1`
+in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
+into the middle; deflated regions inflate to exactly their declared bytes with their crc32.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import REGIONS, SALIENT, LatentCache, no_salient
+from .cache import REGIONS, SALIENT, LatentCache, LatentLayer, no_salient
 from .errors import PatchKVError
 
 FORMAT = "patchkv_cache"
@@ -54,8 +60,10 @@ VERSION = 2
 #: versions load_cache reads: 1 has no salient regions
 READABLE = (1, 2)
 ENCODINGS = ("raw", "deflate")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int32, torch.float32, torch.float16,
-                                                      torch.bfloat16, torch.float64)}
+#: the dtypes a region may be stored in, by their names in the metadata and in the safetensors header
+_SAFETENSORS = {torch.uint8: "U8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
+                torch.bfloat16: "BF16", torch.float64: "F64"}
+_DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS}
 
 
 @dataclass(frozen=True)
@@ -111,48 +119,142 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
 def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device | str | None = None
                ) -> LatentCache:
     """A `LatentCache` for the patched `model` holding what `save_cache` wrote to `path`, on `device` (default: the
-    model's). Raises `PatchKVError` (see the module doc) if the file is not a patchkv cache file or was written
-    under another patch."""
+    model's). Raises `PatchKVError` (see the module doc) if the file is not a patchkv cache file, was written under
+    another patch, or does not describe a cache of this patch; the whole file is checked from its header before any
+    tensor is read."""
     path = Path(path)
+    cache = LatentCache(model)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = _metadata(path, (f.metadata() or {}).get(FORMAT))
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            _check_patch(path, meta, cache)
+            stored = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+            names = _check_layout(path, meta, cache, stored)
+            tensors = {name: f.get_tensor(name) for name in names}
     except (SafetensorError, OSError) as e:
         raise PatchKVError(f"{path}: not a readable patchkv cache file ({' '.join(str(e).split())}).") from e
-    cache = LatentCache(model)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
+        regions = entry["regions"]
+        if not regions:
+            continue
+        held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in regions}
+        held.update(_salient(path, i, held))
+        layer.tensors = {name: t.to(device) for name, t in held.items()}
+        layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
+    if "positions" in tensors:
+        cache.track.positions = tensors["positions"].to(device)
+    return cache
+
+
+def _check_patch(path: Path, meta: dict, cache: LatentCache) -> None:
+    """The file was written under the patch `cache` belongs to (same fingerprint, same layer count)."""
     if meta["fingerprint"] != cache.fingerprint:
         raise PatchKVError(f"{path} was written under another patch (fingerprint {meta['fingerprint']}, this model's "
                            f"is {cache.fingerprint}): load it into the model patched with the same artifact and "
                            "methods it was saved under.")
     if len(meta["layers"]) != len(cache.layers):
         raise PatchKVError(f"{path} holds {len(meta['layers'])} layers, this model's patch has {len(cache.layers)}.")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    seen, batch = 0, None
-    for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
-        regions = entry.get("regions")
-        if not regions:
-            continue
-        expected = REGIONS if meta["format_version"] == 2 else tuple(r for r in REGIONS if r not in SALIENT)
-        if set(regions) != set(expected):
-            raise PatchKVError(f"{path}: layer {i} holds regions {sorted(regions)}, expected {list(expected)}.")
-        held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in expected}
-        if len({t.shape[0] for t in held.values()}) != 1 or \
-                sum(held[n].shape[2] for n in ("sink_keys", "latent_keys", "recent_keys")) > entry["cumulative_length"]:
-            raise PatchKVError(f"{path}: layer {i}'s regions disagree on the batch or hold more tokens than the "
-                               f"{entry['cumulative_length']} it has seen.")
-        held.update(_salient(path, i, held))
-        batch = held["sink_keys"].shape[0]
-        layer.tensors = {name: t.to(device) for name, t in held.items()}
-        layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
-        seen = max(seen, layer.cumulative_length)
-    if seen:
-        positions = tensors.get("positions")
-        if positions is None or positions.dim() != 2 or positions.shape[0] != batch or positions.shape[1] < seen:
-            raise PatchKVError(f"{path}: the position track does not cover the batch of {batch} and the {seen} tokens "
-                               "its layers have seen.")
-        cache.track.positions = positions.to(device, torch.int32)
-    return cache
+
+
+def _damaged(path: Path, what: str) -> PatchKVError:
+    return PatchKVError(f"{path}: {what}. The file is damaged or was edited after patchkv.save_cache wrote it; save "
+                        "the cache again.")
+
+
+def _check_layout(path: Path, meta: dict, cache: LatentCache, stored: dict[str, tuple[tuple[int, ...], str]]
+                  ) -> list[str]:
+    """The file as a whole, from its header (`stored`: each tensor's shape and safetensors dtype), against the patch:
+    every layer holds its regions or none does, all have seen the same tokens, the position track is int32 `[batch,
+    seen]`, and each layer's regions are what its codecs, mode and methods hold (`_check_layer`). Returns the
+    tensors to read."""
+    layers = meta["layers"]
+    filled = [i for i, entry in enumerate(layers) if entry["regions"]]
+    lengths = [entry["cumulative_length"] for entry in layers]
+    if not filled:
+        if any(lengths):
+            raise _damaged(path, f"its layers hold no regions but say they have seen {max(lengths)} tokens")
+        return []
+    if len(filled) != len(layers):
+        empty = sorted(set(range(len(layers))) - set(filled))
+        raise _damaged(path, f"layers {empty} hold no regions while layers {filled} do (every layer of a cache sees "
+                             "every token)")
+    if len(set(lengths)) != 1:
+        raise _damaged(path, f"its layers disagree on the tokens seen (cumulative_length {lengths}; every layer of a "
+                             "cache sees every token)")
+    shape, dtype = stored.get("positions", ((), "missing"))
+    if len(shape) != 2 or shape[1] != lengths[0] or dtype != "I32":
+        raise _damaged(path, f"its position track is {dtype} {list(shape)}, expected I32 (int32) [batch, "
+                             f"{lengths[0]}]: one true position per token its layers have seen")
+    names = ["positions"]
+    for i, (layer, entry) in enumerate(zip(cache.layers, layers)):
+        names += _check_layer(path, i, layer, entry, stored, shape[0], meta["format_version"])
+    return names
+
+
+def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: dict[str, tuple[tuple[int, ...], str]],
+                 batch: int, version: int) -> list[str]:
+    """Layer `i`'s entry and stored regions against its patch: every region there, each region's dtype and `[batch,
+    heads, tokens, width]` those of its codecs and mode, keys and values of a region as many tokens, and the token
+    counts those the layer keeps: its sinks, at most `window` recent tokens, every token seen in a full layer (at
+    least the last `sliding_window - 1` in a sliding one), exact copies of middle tokens only with a salience
+    method. Returns the tensor names."""
+    regions = entry["regions"]
+    expected = REGIONS if version == 2 else tuple(r for r in REGIONS if r not in SALIENT)
+    if set(regions) != set(expected):
+        raise _damaged(path, f"layer {i} holds regions {sorted(regions)}, expected {list(expected)}")
+    for name in expected:
+        _check_entry(path, f"layers.{i}.{name}", regions[name], stored)
+    patterns = _patterns(layer, batch)
+    for name in expected:
+        shape, dtype = regions[name]["shape"], _DTYPES[regions[name]["dtype"]]
+        want_dtype, (b, heads, width), what = patterns[name]
+        if dtype != want_dtype or (shape[0], shape[1], shape[3]) != (b, heads, width):
+            raise _damaged(path, f"region layers.{i}.{name} is {dtype} {shape}, this patch's layer {i} holds {what} "
+                                 f"there as {want_dtype} [{b}, {heads}, tokens, {width}]")
+    tokens = {name: regions[name]["shape"][2] for name in expected}
+    for group in (("sink_keys", "sink_values"), ("latent_keys", "latent_values"), ("recent_keys", "recent_values"),
+                  tuple(n for n in SALIENT if n in tokens)):
+        if len({tokens[n] for n in group}) > 1:
+            raise _damaged(path, f"layer {i}'s regions {list(group)} hold different numbers of tokens "
+                                 f"{[tokens[n] for n in group]}")
+    _check_counts(path, i, layer, entry["cumulative_length"], tokens)
+    return [f"layers.{i}.{name}" for name in expected]
+
+
+def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tuple[int, int, int], str]]:
+    """Each region's dtype, `(batch, heads, width)` (its shape but the token axis) and what it is, under `layer`'s
+    patch: exact regions in the model's dtype `[batch, kv_heads, tokens, head_dim]`, the middle as its codecs store
+    it `[batch, 1, tokens, width]`, salient indices int32 and scores float32 `[batch, kv_heads, tokens, 1]`."""
+    lp = layer.patch
+    dtype, heads = lp.patch.dtype, lp.keys.basis.heads
+    exact = {kind: (dtype, (batch, heads, getattr(lp, kind).basis.head_dim), f"exact {kind}")
+             for kind in ("keys", "values")}
+    patterns = {f"{region}_{kind}": exact[kind] for region in ("sink", "recent", "salient") for kind in exact}
+    for kind in ("keys", "values"):
+        codec = getattr(lp, kind)
+        patterns[f"latent_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width), f"the {kind}' {codec.describe()}")
+    patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient middle indices")
+    patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
+    return patterns
+
+
+def _check_counts(path: Path, i: int, layer: LatentLayer, seen: int, tokens: dict[str, int]) -> None:
+    """Layer `i`'s token counts (`tokens`: each region's) are what it keeps after `seen` tokens (see `_check_layer`)."""
+    sinks, middle, recent = tokens["sink_keys"], tokens["latent_keys"], tokens["recent_keys"]
+    salient, kept = tokens.get("salient_keys", 0), sinks + middle + recent
+    if layer.is_sliding:
+        held = f"at least {min(seen, layer.sliding_window - 1)} and at most {seen} tokens (sliding window " \
+               f"{layer.sliding_window}), at most {min(layer.sink_tokens, seen)} sinks"
+        ok = sinks <= min(layer.sink_tokens, seen) and min(seen, layer.sliding_window - 1) <= kept <= seen
+    else:
+        held = f"all {seen} tokens, {min(layer.sink_tokens, seen)} of them sinks"
+        ok = sinks == min(layer.sink_tokens, seen) and kept == seen
+    capacity = "none" if layer.salience is None else f"at most the {middle} middle tokens"
+    if not ok or recent > layer.window or salient > (0 if layer.salience is None else middle):
+        raise _damaged(path, f"layer {i} holds {sinks} sinks, {middle} middle, {recent} recent and {salient} salient "
+                             f"tokens after {seen} seen; under this patch it holds {held}, at most {layer.window} "
+                             f"recent, salient copies: {capacity}")
 
 
 def _metadata(path: Path, text: str | None) -> dict:
@@ -175,41 +277,40 @@ def _metadata(path: Path, text: str | None) -> dict:
 
 
 def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Layer `i`'s salient regions, checked: as many exact keys, values, indices and scores, each KV head's
-    indices inside the middle; empty ones for a version 1 file."""
-    keys = held["sink_keys"]
+    """Layer `i`'s salient regions (shapes checked by `_check_layout`), each KV head's indices inside the middle;
+    empty ones for a version 1 file."""
     if "salient_keys" not in held:
-        return no_salient(keys, held["sink_values"])
-    sal = {name: held[name] for name in SALIENT}
-    shapes = {name: tuple(t.shape) for name, t in sal.items()}
-    count = sal["salient_keys"].shape[:3]
-    index = sal["salient_index"]
-    if any(t.shape[:3] != count for t in sal.values()) or sal["salient_keys"].shape != sal["salient_values"].shape \
-            or count[:2] != keys.shape[:2] or index.shape[3] != 1 or sal["salient_score"].shape[3] != 1 \
-            or index.dtype != torch.int32 or sal["salient_score"].dtype != torch.float32 \
-            or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < held["latent_keys"].shape[2])):
-        raise PatchKVError(f"{path}: layer {i}'s salient regions {shapes} do not describe exact copies of its middle "
-                           f"tokens (one int32 index into the {held['latent_keys'].shape[2]} middle tokens and one "
-                           "float32 score each); the file is damaged.")
-    return sal
+        return no_salient(held["sink_keys"], held["sink_values"])
+    index, middle = held["salient_index"], held["latent_keys"].shape[2]
+    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < middle):
+        raise _damaged(path, f"layer {i}'s salient regions point at middle tokens {int(index.min())} to "
+                             f"{int(index.max())}, its middle holds {middle}")
+    return {name: held[name] for name in SALIENT}
+
+
+def _check_entry(path: Path, name: str, entry: dict, stored: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Region `name`'s entry is well formed and the file's tensor is what it says: the region as is ("raw") or a 1-d
+    uint8 stream of uint8 codes ("deflate")."""
+    shape, dtype, encoding = entry.get("shape"), _DTYPES.get(entry.get("dtype")), entry.get("encoding")
+    if not (isinstance(shape, list) and len(shape) == 4 and all(isinstance(s, int) and s >= 0 for s in shape)) \
+            or dtype is None or encoding not in ENCODINGS or name not in stored:
+        raise _damaged(path, f"region {name} is missing or its entry is malformed (shape {shape}, dtype "
+                             f"{entry.get('dtype')}, encoding {encoding})")
+    found, kind = stored[name]
+    if encoding == "raw" and (list(found) != shape or kind != _SAFETENSORS[dtype]):
+        raise _damaged(path, f"region {name} is {kind} {list(found)}, its entry says {_SAFETENSORS[dtype]} {shape}")
+    if encoding == "deflate" and (dtype != torch.uint8 or kind != "U8" or len(found) != 1):
+        raise _damaged(path, f"region {name} is deflated, so it must be uint8 codes stored as a 1-d uint8 stream "
+                             f"(found {entry.get('dtype')} codes stored as {kind} {list(found)})")
 
 
 def _region(path: Path, tensors: dict[str, torch.Tensor], name: str, entry: dict) -> torch.Tensor:
-    """The region `name` as held, checked against its entry (and inflated when deflated)."""
-    shape, dtype, encoding = entry.get("shape"), _DTYPES.get(entry.get("dtype")), entry.get("encoding")
-    if not (isinstance(shape, list) and len(shape) == 4 and all(isinstance(s, int) and s >= 0 for s in shape)) \
-            or dtype is None or encoding not in ENCODINGS or name not in tensors:
-        raise PatchKVError(f"{path}: region {name} is missing or its entry is malformed (shape {shape}, dtype "
-                           f"{entry.get('dtype')}, encoding {encoding}).")
+    """The region `name` as held (its entry checked by `_check_entry`), inflated when deflated."""
     t = tensors[name]
-    if encoding == "raw":
-        if list(t.shape) != shape or t.dtype != dtype:
-            raise PatchKVError(f"{path}: region {name} is {t.dtype} {list(t.shape)}, its entry says {dtype} {shape}.")
+    if entry["encoding"] == "raw":
         return t
-    batch, _, seq, width = shape
+    batch, _, seq, width = entry["shape"]
     expected = batch * seq * width
-    if dtype != torch.uint8 or t.dtype != torch.uint8 or t.dim() != 1:
-        raise PatchKVError(f"{path}: region {name} is deflated, so it must be uint8 codes stored as a 1-d stream.")
     inflater = zlib.decompressobj()
     try:
         raw = inflater.decompress(t.numpy().tobytes(), expected)

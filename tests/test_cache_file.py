@@ -121,3 +121,68 @@ def test_salient_regions_are_checked_and_a_version_1_file_loads_with_none(tmp_pa
                   metadata={FORMAT: json.dumps(meta)})
         restored = load_cache(model, tmp_path / "v1.safetensors")
         assert restored.nbytes() == saved.held_bytes and all(layer.salient_len == 0 for layer in restored.layers)
+
+
+def edited(path, out, edit) -> str:
+    """A copy of the cache file `path` at `out` after `edit(meta, tensors)` changed its metadata and tensors."""
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
+    edit(meta, tensors)
+    save_file(tensors, str(out), metadata={FORMAT: json.dumps(meta)})
+    return out
+
+
+def region(name, t):
+    """An edit that replaces region `name` with `t` (stored raw, its entry updated)."""
+    def edit(meta, tensors):
+        i, r = name.split(".")[1:]
+        meta["layers"][int(i)]["regions"][r] = {"shape": list(t.shape), "dtype": str(t.dtype)[6:], "encoding": "raw"}
+        tensors[name] = t.contiguous()
+    return edit
+
+
+def test_a_file_is_checked_as_a_whole_against_the_patch(tmp_path, setup):
+    """Each file below is consistent region by region with its own metadata, and would load and continue with wrong
+    logits (or fail later with a raw error) if regions were checked only against their entries: every one is
+    refused, naming what the patch expects."""
+    model, artifact = setup
+    with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24)]):
+        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "p.safetensors", compress=None)
+        with safe_open(str(saved.path), framework="pt") as f:
+            codes, recent = f.get_tensor("layers.0.latent_keys"), f.get_tensor("layers.1.recent_values")
+
+        def no_layer_1(meta, tensors):
+            meta["layers"][1]["regions"] = {}
+
+        def seen(n, layers):
+            def edit(meta, tensors):
+                for i in layers:
+                    meta["layers"][i]["cumulative_length"] = n
+            return edit
+
+        cases = {"one component": (region("layers.0.latent_keys", codes[..., :1]), "layer 0 holds the keys' "),
+                 "float32 codes": (region("layers.0.latent_keys", codes.float()),
+                                   r"as torch.uint8 \[1, 1, tokens, 6\]"),
+                 "wider codes": (region("layers.0.latent_keys", torch.cat([codes, codes], -1)), "layers.0.latent_keys"),
+                 "no layer 1": (no_layer_1, r"layers \[1\] hold no regions while layers \[0\] do"),
+                 "lengths": (seen(41, [0, 1]), r"position track is I32 \[1, 40\], expected I32 \(int32\) "
+                                               r"\[batch, 41\]"),
+                 "one length": (seen(39, [1]), r"disagree on the tokens seen \(cumulative_length \[40, 39\]"),
+                 "a token short": (region("layers.1.recent_values", recent[:, :, 1:]), "different numbers of tokens"),
+                 "batch": (region("layers.1.recent_values", recent.expand(2, -1, -1, -1)), r"\[1, 2, tokens, 16\]")}
+        for name, (edit, message) in cases.items():
+            with pytest.raises(patchkv.PatchKVError, match=message):
+                load_cache(model, edited(saved.path, tmp_path / f"{name}.safetensors", edit))
+        assert load_cache(model, saved.path).nbytes() == saved.held_bytes
+
+
+def test_a_cache_with_sliding_layers_loads_and_continues_exactly(tmp_path):
+    """Gemma 3's sliding layer (window 10) holds only its last tokens: the checks accept what it keeps."""
+    model = make_model("gemma3")
+    artifact = patchkv.calibrate(model, calibration_ids(), rank=8, progress=False)
+    ids, more = calibration_ids(2, 30, seed=5), calibration_ids(2, 4, seed=6)
+    with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24)]):
+        cache = prefix(model, ids)
+        assert {layer.is_sliding for layer in cache.layers} == {True, False}
+        restored = load_cache(model, save_cache(cache, tmp_path / "s.safetensors").path)
+        assert torch.equal(continued(model, restored, more), continued(model, cache, more))
