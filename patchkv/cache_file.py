@@ -38,7 +38,13 @@ middle in its codec's stored dtype and width `[batch, 1, m, width]`, salient ind
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
 sinks, at most `window` recent tokens, every token seen in a full layer and at least the last `sliding_window - 1`
 in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
-into the middle; deflated regions inflate to exactly their declared bytes with their crc32.
+into the middle; every true position lies in [0, limit), limit the model's `max_position_embeddings` or, past it,
+the tokens seen; deflated regions inflate to exactly their declared bytes with their crc32.
+
+Nothing is allocated beyond what the file vouches for: tensors are read only once the header checks pass (each at
+most the file's size), and a deflated region inflates to at most its declared bytes, `batch * m * width` from
+the checked layout (`batch` and `m` bounded by the position track stored in the file, `width` the codec's), so
+a stream that would inflate further (a DEFLATE bomb) stops there and is refused.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -143,8 +150,22 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
         layer.tensors = {name: t.to(device) for name, t in held.items()}
         layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
     if "positions" in tensors:
+        _check_positions(path, model, tensors["positions"])
         cache.track.positions = tensors["positions"].to(device)
     return cache
+
+
+def _check_positions(path: Path, model: torch.nn.Module, positions: torch.Tensor) -> None:
+    """Every true position in `positions` `[batch, seen]` lies in [0, limit), limit the model's
+    `max_position_embeddings` or, past it, the tokens seen: the next forward builds a RoPE table up to the highest
+    position (2^31 - 1 would make it 16 GiB), and a negative one would index it from the end."""
+    seen = positions.shape[1]
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 0
+    limit = max(context, seen)
+    if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < limit):
+        raise _damaged(path, f"its position track holds positions {int(positions.min())} to {int(positions.max())}; "
+                             f"a cache of {seen} tokens for this model (max_position_embeddings {context or 'unset'}) "
+                             f"holds positions in [0, {limit})")
 
 
 def _check_patch(path: Path, meta: dict, cache: LatentCache) -> None:
@@ -312,12 +333,12 @@ def _region(path: Path, tensors: dict[str, torch.Tensor], name: str, entry: dict
     batch, _, seq, width = entry["shape"]
     expected = batch * seq * width
     inflater = zlib.decompressobj()
-    try:
+    try:  # at most the declared bytes come out (checked against the patch): a stream that would inflate further stops
         raw = inflater.decompress(t.numpy().tobytes(), expected)
     except zlib.error as e:
         raise PatchKVError(f"{path}: region {name} does not inflate ({e}); the file is damaged.") from e
     if len(raw) != expected or inflater.unconsumed_tail or not inflater.eof or zlib.crc32(raw) != entry.get("crc32"):
         raise PatchKVError(f"{path}: region {name} inflates to other bytes than were saved (size or crc32 differ); "
                            "the file is damaged.")
-    codes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(batch, width, seq)
-    return codes.transpose(1, 2).contiguous().unsqueeze(1)
+    codes = np.frombuffer(raw, dtype=np.uint8).reshape(batch, width, seq).transpose(0, 2, 1)
+    return torch.from_numpy(np.ascontiguousarray(codes)).unsqueeze(1)

@@ -186,3 +186,48 @@ def test_a_cache_with_sliding_layers_loads_and_continues_exactly(tmp_path):
         assert {layer.is_sliding for layer in cache.layers} == {True, False}
         restored = load_cache(model, save_cache(cache, tmp_path / "s.safetensors").path)
         assert torch.equal(continued(model, restored, more), continued(model, cache, more))
+
+
+def test_nothing_is_inflated_or_allocated_past_what_the_file_vouches_for(tmp_path, setup, monkeypatch):
+    """A 50 KB stream declared as a 3 GB region is refused from the header (nothing inflated); a stream that inflates
+    to 50 MB in place of a 204-byte region stops at its declared bytes (tracemalloc's peak stays far below 50 MB);
+    positions past the model's context (2^31 - 1 would make the next forward build a 16 GiB RoPE table) or negative
+    are refused, the last position inside it loads."""
+    import tracemalloc
+    import zlib
+
+    model, artifact = setup
+    with patchkv.patched(model, artifact, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24)]):
+        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "p.safetensors")
+
+        def bomb(meta, tensors):
+            deflate = zlib.compressobj()
+            stream = b"".join(deflate.compress(bytes(1 << 20)) for _ in range(50)) + deflate.flush()
+            tensors["layers.0.latent_keys"] = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+
+        def huge(meta, tensors):
+            bomb(meta, tensors)
+            for kind in ("keys", "values"):  # 3 GB each of 6-byte codes
+                meta["layers"][0]["regions"][f"latent_{kind}"]["shape"][2] = 500_000_000
+
+        def position(p):
+            def edit(meta, tensors):
+                tensors["positions"][0, -1] = p
+            return edit
+
+        with monkeypatch.context() as m:
+            m.setattr(zlib, "decompressobj", None)  # anything inflated would fail with a TypeError
+            with pytest.raises(patchkv.PatchKVError, match="layer 0 holds 2 sinks, 500000000 middle"):
+                load_cache(model, edited(saved.path, tmp_path / "huge.safetensors", huge))
+        path = edited(saved.path, tmp_path / "bomb.safetensors", bomb)
+        tracemalloc.start()
+        with pytest.raises(patchkv.PatchKVError, match="layers.0.latent_keys inflates to other bytes"):
+            load_cache(model, path)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 5 << 20
+        for p in (2**31 - 1, 512, -1):  # the tiny llama's max_position_embeddings is 512
+            with pytest.raises(patchkv.PatchKVError, match=rf"positions 0 to {max(p, 39)}|positions {p} to 38"):
+                load_cache(model, edited(saved.path, tmp_path / f"at{p}.safetensors", position(p)))
+        last = edited(saved.path, tmp_path / "at511.safetensors", position(511))
+        assert load_cache(model, last).get_seq_length() == 40
