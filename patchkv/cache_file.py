@@ -71,6 +71,8 @@ ENCODINGS = ("raw", "deflate")
 _SAFETENSORS = {torch.uint8: "U8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
                 torch.bfloat16: "BF16", torch.float64: "F64"}
 _DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS}
+#: a file's tensors by name: (shape, safetensors dtype), as its header declares them
+Header = dict[str, tuple[tuple[int, ...], str]]
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,12 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
         with safe_open(str(path), framework="pt") as f:
             meta = _metadata(path, (f.metadata() or {}).get(FORMAT))
             _check_patch(path, meta, cache)
-            stored = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
-            names = _check_layout(path, meta, cache, stored)
+            names = _check_layout(path, meta, cache, _header(f))
             tensors = {name: f.get_tensor(name) for name in names}
     except (SafetensorError, OSError) as e:
         raise PatchKVError(f"{path}: not a readable patchkv cache file ({' '.join(str(e).split())}).") from e
+    if "positions" in tensors:
+        _check_positions(path, model, tensors["positions"])
     device = torch.device(device) if device is not None else next(model.parameters()).device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
         regions = entry["regions"]
@@ -150,7 +153,6 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
         layer.tensors = {name: t.to(device) for name, t in held.items()}
         layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
     if "positions" in tensors:
-        _check_positions(path, model, tensors["positions"])
         cache.track.positions = tensors["positions"].to(device)
     return cache
 
@@ -168,6 +170,12 @@ def _check_positions(path: Path, model: torch.nn.Module, positions: torch.Tensor
                              f"holds positions in [0, {limit})")
 
 
+def _header(f) -> Header:
+    """Each tensor's shape and safetensors dtype ("U8", "I32", ...) in the open file `f`, from its header only."""
+    slices = {name: f.get_slice(name) for name in f.keys()}
+    return {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()}
+
+
 def _check_patch(path: Path, meta: dict, cache: LatentCache) -> None:
     """The file was written under the patch `cache` belongs to (same fingerprint, same layer count)."""
     if meta["fingerprint"] != cache.fingerprint:
@@ -183,8 +191,7 @@ def _damaged(path: Path, what: str) -> PatchKVError:
                         "the cache again.")
 
 
-def _check_layout(path: Path, meta: dict, cache: LatentCache, stored: dict[str, tuple[tuple[int, ...], str]]
-                  ) -> list[str]:
+def _check_layout(path: Path, meta: dict, cache: LatentCache, stored: Header) -> list[str]:
     """The file as a whole, from its header (`stored`: each tensor's shape and safetensors dtype), against the patch:
     every layer holds its regions or none does, all have seen the same tokens, the position track is int32 `[batch,
     seen]`, and each layer's regions are what its codecs, mode and methods hold (`_check_layer`). Returns the
@@ -213,8 +220,8 @@ def _check_layout(path: Path, meta: dict, cache: LatentCache, stored: dict[str, 
     return names
 
 
-def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: dict[str, tuple[tuple[int, ...], str]],
-                 batch: int, version: int) -> list[str]:
+def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: Header, batch: int, version: int
+                 ) -> list[str]:
     """Layer `i`'s entry and stored regions against its patch: every region there, each region's dtype and `[batch,
     heads, tokens, width]` those of its codecs and mode, keys and values of a region as many tokens, and the token
     counts those the layer keeps: its sinks, at most `window` recent tokens, every token seen in a full layer (at
@@ -309,7 +316,7 @@ def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, tor
     return {name: held[name] for name in SALIENT}
 
 
-def _check_entry(path: Path, name: str, entry: dict, stored: dict[str, tuple[tuple[int, ...], str]]) -> None:
+def _check_entry(path: Path, name: str, entry: dict, stored: Header) -> None:
     """Region `name`'s entry is well formed and the file's tensor is what it says: the region as is ("raw") or a 1-d
     uint8 stream of uint8 codes ("deflate")."""
     shape, dtype, encoding = entry.get("shape"), _DTYPES.get(entry.get("dtype")), entry.get("encoding")
