@@ -38,12 +38,14 @@ class Patch:
 
     def compute_in(self, dtype: torch.dtype) -> None:
         """Follow the model into `dtype` (`model.to(torch.bfloat16)` after `apply`): every layer's codecs are rebuilt
-        from the artifact for it, once. A cache written before keeps its old dtype and is refused by its layers."""
+        from the artifact for it, once, and the RoPE tables from the moved rotary module. A cache written before keeps
+        its old dtype and is refused by its layers."""
         if dtype == self.dtype:
             return
         codecs = self.plan.codec.codecs(self.artifact, self.query_groups, dtype)
         for lp, (keys, values) in zip(self.layers, codecs):
             lp.keys, lp.values, lp.device = keys, values, None
+            lp.rope.reset()
         self.dtype = dtype
 
 

@@ -28,6 +28,11 @@ class RopeTable:
 
     def __init__(self, adapter: AttentionAdapter, rotary: nn.Module, attn: nn.Module):
         self.adapter, self.rotary, self.attn = adapter, rotary, attn
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the table, so the next use computes it again from the rotary module as it is now (after
+        `model.to(torch.bfloat16)` its inverse frequencies are rounded, and the model's cos/sin with them)."""
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
         self._turn: torch.Tensor | bool | None = None  # built on demand; False: the halves differ

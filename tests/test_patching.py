@@ -207,3 +207,20 @@ def test_the_patch_follows_the_model_into_another_dtype(model_and_artifact, meth
     with patchkv.patched(full, art, [patchkv.SinksWindow(2, 4), patchkv.LowRank(rank=art.head_dim)]):
         patched = fed_in_chunks(full, ids, 5)
     assert torch.allclose(patched, fed_in_chunks(make_model("llama").to(torch.float64), ids, 5), atol=1e-5)
+
+
+def test_the_rope_table_follows_the_model_into_another_dtype(model_and_artifact):
+    """A pre-RoPE patch whose table was built by a float32 forward covering every position, then moved to bfloat16
+    (which rounds the rotary module's inverse frequencies), gives the logits of one applied after the move."""
+    model, art = model_and_artifact
+    assert art.mode == "pre_rope"
+    methods = [patchkv.SinksWindow(2, 4), patchkv.LowRank()]
+    ids = calibration_ids(1, 200, seed=3)
+    first = copy.deepcopy(model).to(torch.bfloat16)
+    with patchkv.patched(first, art, methods):
+        want = fed_in_chunks(first, ids, 50)
+    moved = copy.deepcopy(model)
+    with patchkv.patched(moved, art, methods):
+        moved(ids, use_cache=True)  # the table now covers all 200 positions, in float32's frequencies
+        moved.to(torch.bfloat16)
+        assert torch.equal(fed_in_chunks(moved, ids, 50), want)
