@@ -322,7 +322,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     from .provenance import provenance
     from .report import default_text, read_text, report, table, write
 
-    out = _check_out_dir(args.out, "report") if args.out else None
+    out = _check_out_dir(args.out, "report") if args.out is not None else None
     texts = [read_text(t) for t in args.text] or [default_text()]
     art = Artifact.from_pretrained(args.artifact)
     model, tokenizer = _load_model(args.model, args.dtype)

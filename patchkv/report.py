@@ -66,13 +66,22 @@ def read_text(path: str) -> tuple[str, str]:
     if not file.is_file():
         raise FileNotFoundError(f"--text {path}: no such file.")
     if file.suffix == ".jsonl":
-        return file.stem, json.loads(file.read_text(encoding="utf-8").splitlines()[0])["text"]
-    return file.stem, file.read_text(encoding="utf-8", errors="replace")
+        text = json.loads(file.read_text(encoding="utf-8").splitlines()[0])["text"]
+    else:
+        text = file.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"--text {path}: the text is empty; give a text of at least --context tokens.")
+    return file.stem, text
 
 
-def _ids(tokenizer: Any, text: str, tokens: int) -> torch.Tensor:
+def _ids(tokenizer: Any, name: str, text: str, tokens: int) -> torch.Tensor:
+    """`[1, tokens]` ids: the BOS token (where the tokenizer has one), then the text's. Raises ValueError for a
+    text with fewer tokens: bytes per token and perplexity are measured at the context, not below it."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    if len(start + ids) < tokens:
+        raise ValueError(f"text {name!r} has {len(start + ids)} tokens, fewer than the context of {tokens} it is "
+                         f"scored at; give a longer text or a smaller context (--context {len(start + ids)} or less).")
     return torch.tensor([(start + ids)[:tokens]])
 
 
@@ -129,7 +138,7 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
     """Every configuration on every text (see the module doc); `progress(str)` gets a line per finished row."""
     rng = random.Random(seed)
     numbers = [rng.randrange(1_000_000, 9_999_999) for _ in depths]
-    encoded = [(name, _ids(tokenizer, text, context)) for name, text in texts]
+    encoded = [(name, _ids(tokenizer, name, text, context)) for name, text in texts]
     rows = []
     for name, patch, factory, note in _configs(model, artifact, budgets, context, quantized_cache):
         row = Row(name, note=note)

@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 
 import patchkv
 import patchkv.evaluate
+import patchkv.report
 import patchkv.steps
 from patchkv import cli
 
@@ -367,6 +368,45 @@ def test_an_artifact_in_another_dtype_evaluates(tmp_path, capsys, monkeypatch):
     with pytest.raises(Forbidden):
         cli.main(["eval", "--model", MODEL, "--artifact", str(half), "--tasks", "patchkv_shakespeare_ppl",
                   "--limit", "1"])
+
+
+class BytesTokenizer:
+    """A stand-in tokenizer: one token per byte of the text, after a BOS token."""
+
+    bos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+
+@pytest.fixture
+def fake_report_model(monkeypatch):
+    """`patchkv report` on the tiny Llama with a bytes tokenizer; scoring any text fails the test."""
+    def forbidden(*a, **k):
+        raise Forbidden("scoring started")
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (make_model("llama"), BytesTokenizer()))
+    monkeypatch.setattr(patchkv.report, "token_nll", forbidden)
+
+
+def test_report_refuses_texts_it_cannot_measure_and_an_empty_out(tmp_path, capsys, tiny_artifact,
+                                                                 fake_report_model):
+    """An empty text, one shorter than the context (bytes per token and perplexity would be measured below it) and
+    `--out ''` are one line each, before anything is scored."""
+    art = str(tiny_artifact.save(tmp_path / "a.safetensors"))
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "short.txt").write_text("x" * 99)
+    report = ["report", "--model", MODEL, "--artifact", art, "--context", "512", "--budgets", "4x"]
+    for argv, status, fragment in [
+        ([*report, "--text", str(tmp_path / "empty.txt")], 1, f"--text {tmp_path / 'empty.txt'}: the text is empty"),
+        ([*report, "--text", str(tmp_path / "short.txt")], 1,
+         "text 'short' has 100 tokens, fewer than the context of 512 it is scored at; give a longer text or a "
+         "smaller context (--context 100 or less)"),
+        ([*report, "--out", ""], 2, "--out '': expected a folder"),
+    ]:
+        code, _, err = run_main(argv, capsys)
+        assert_one_line_error(code, err, status, fragment)
+    assert not (tmp_path / "report.md").exists()
 
 
 CTRL_C_DURING_IMPORT = """
