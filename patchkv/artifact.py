@@ -101,9 +101,10 @@ head) unless all of the following hold, in this order:
    version 6), whose `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`,
    `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of
    float32, float16, bfloat16, float64, `sliding_windows` a list of `num_hidden_layers` entries, each null or a
-   positive integer, at least one an integer, given exactly in version 6; `calibration` an object;
-   `step_budgets` (version 4; versions 5 and 6 when present) a non-empty list of distinct objects with exactly
-   the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
+   positive integer, at least one an integer, given exactly in version 6; `calibration` an object, its objects and
+   arrays nested at most 32 deep and its JSON at most 1,000,000 characters (deeper nesting would exhaust Python's
+   stack in a copy or pickle later); `step_budgets` (version 4; versions 5 and 6 when present) a non-empty list of
+   distinct objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
    version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
 6. exactly the eight tensors (version 1), ten (version 2), ten or twelve (versions 3 and 4), or the six layer
    tensors, the eight, the effect weights with the two layer weights where present, and the step scales exactly
@@ -171,6 +172,10 @@ TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
 STEP_SCALES = "step_scales"
 STEP_BUDGETS = "step_budgets"
+#: bounds on the free-form calibration summary (patchkv writes objects and arrays 5 deep, a few KB of JSON): deeper
+#: nesting would exhaust Python's stack later, in `copy.deepcopy` (`with_ranks`, `to_dtype`) or pickling
+CALIBRATION_MAX_DEPTH = 32
+CALIBRATION_MAX_CHARS = 1_000_000
 #: the layer bases of a version 5 file (`Components.layer_*`)
 LAYER_NAMES = ("layer_mean", "layer_eigenvalues", "layer_eigenvectors")
 LAYER_WEIGHTS = "layer_weights"
@@ -477,10 +482,7 @@ class Artifact:
     def _validate(self) -> None:
         """The content checks of the module docstring (step 7), vectorised over layers and heads."""
         _check_model_fields(self.model)
-        try:
-            json.dumps(self.calibration, sort_keys=True)
-        except (TypeError, ValueError, RecursionError) as e:
-            raise InvalidArtifactError(f"calibration must be JSON-serialisable (it is saved as JSON): {e}") from e
+        _check_calibration(self.calibration)
         for kind in KINDS:
             if not isinstance(getattr(self, kind), Components):
                 raise InvalidArtifactError(f"{kind} must be a patchkv.artifact.Components, "
@@ -630,6 +632,30 @@ def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
             raise InvalidArtifactError(f"{file}: '{name}' must be a JSON object, found a JSON "
                                        f"{_json_type(meta[name])} ({meta[name]!r:.60}).")
     return meta
+
+
+def _check_calibration(calibration: dict[str, Any]) -> None:
+    """Step 5 for `calibration`: JSON-serialisable, at most CALIBRATION_MAX_CHARS characters of JSON, objects and
+    arrays nested at most CALIBRATION_MAX_DEPTH deep (itself included), checked without recursion."""
+    too_deep = InvalidArtifactError(
+        f"calibration nests objects and arrays more than {CALIBRATION_MAX_DEPTH} deep; it is a free-form summary "
+        "(patchkv's own nests 5 deep): flatten it, or keep deeper records in a file of their own.")
+    try:
+        size = len(json.dumps(calibration, sort_keys=True))
+    except RecursionError:
+        raise too_deep from None
+    except (TypeError, ValueError) as e:
+        raise InvalidArtifactError(f"calibration must be JSON-serialisable (it is saved as JSON): {e}") from e
+    if size > CALIBRATION_MAX_CHARS:
+        raise InvalidArtifactError(f"calibration takes {size:,} characters of JSON, more than the "
+                                   f"{CALIBRATION_MAX_CHARS:,} allowed for a free-form summary (patchkv's own takes a "
+                                   "few thousand): keep larger records in a file of their own.")
+    level = [calibration]  # the containers at one depth; as many as the JSON's size allows
+    for _ in range(CALIBRATION_MAX_DEPTH):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (dict, list, tuple))]
+    if level:
+        raise too_deep
 
 
 def _parse_budgets(budgets: Any, head_dim: int, where: str) -> list[tuple[int, str]]:

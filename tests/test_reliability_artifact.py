@@ -4,6 +4,7 @@ with an `ArtifactError` naming the tensor, layer and head, and the model is left
 import copy
 import errno
 import hashlib
+import io
 import json
 import os
 import time
@@ -392,3 +393,33 @@ def test_empty_and_unexpandable_paths_are_refused(tmp_path, monkeypatch, artifac
                  lambda: Artifact.from_pretrained("~patchkv-no-such-user/a")):
         with pytest.raises(ArtifactError, match="~patchkv-no-such-user"):
             call()
+
+
+def _nested(depth: int) -> dict:
+    """A calibration summary whose objects and arrays nest `depth` deep, itself included."""
+    inner = [1]
+    for _ in range(depth - 2):
+        inner = [inner]
+    return {"fits": inner}
+
+
+def test_calibration_nested_too_deep_or_too_large_is_refused(tmp_path, model, artifact):
+    """Free-form calibration nested 600-900 deep used to load and then raise RecursionError in `with_ranks`,
+    `to_dtype`, `apply` and pickling: more than 32 deep, or over 1,000,000 characters of JSON, is refused at load and
+    at construction; 32 deep loads, copies, applies and pickles."""
+    tensors, meta = read(artifact.save(tmp_path / "a.safetensors"))
+    for depth in (33, 600, 900):
+        meta["calibration"] = _nested(depth)
+        assert_load_refused(model, write(tmp_path / "deep.safetensors", tensors, meta), "deep.safetensors",
+                            "calibration nests objects and arrays more than 32 deep")
+    kw = dict(mode=artifact.mode, model=artifact.model, keys=artifact.keys, values=artifact.values)
+    for calibration, fragment in [(_nested(5000), "more than 32 deep"),  # deeper than json.dumps can write
+                                  ({"x": "a" * 1_000_000}, "1,000,009 characters of JSON, more than the 1,000,000 allowed")]:
+        with pytest.raises(InvalidArtifactError, match=fragment):
+            Artifact(calibration=calibration, **kw)
+    meta["calibration"] = _nested(32)
+    loaded = Artifact.load(write(tmp_path / "deep.safetensors", tensors, meta)).with_ranks(rank=4)
+    patched = patchkv.apply(copy.deepcopy(model), loaded.to_dtype(torch.float32), [patchkv.LowRank()])
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    assert patchkv.is_patched(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
