@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from numbers import Integral
 
 from .allocation import code_bytes, default_pool, full_kv_bytes_per_token, held_tokens
 from .methods import Method, Quantized, Salience, SinksWindow, parse_method
@@ -44,6 +45,14 @@ def sixteen_bit_bytes(artifact, context: int | None = None) -> float:
     return full * sum(held_tokens(artifact, context)) / (artifact.num_layers * context)
 
 
+def check_context(context: int) -> None:
+    """Refuse a context that is not a positive number of tokens (the length a ratio is met at)."""
+    if not isinstance(context, Integral) or isinstance(context, bool):
+        raise TypeError(f"context must be an integer number of tokens, e.g. 4096, got {context!r}.")
+    if context < 1:
+        raise ValueError(f"context must be at least 1 token (the length the budget is met at), got {context}.")
+
+
 def salient_bytes(artifact, salience: Salience | None, middle: int) -> int:
     """Bytes a `salience` method's exact tokens take over a middle of `middle` coded tokens: per KV head of every
     full-attention layer (a sliding-window layer keeps none), `capacity(middle)` keys and values in 16 bits with
@@ -66,7 +75,8 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
     `salience`'s exact tokens) whose whole cache at `context` tokens (exact sinks and window in 16 bits, codes, the
     salient tokens, positions) holds at most the 16-bit cache's bytes / `ratio` per token. Raises ValueError if even
-    1 bit per head does not fit."""
+    1 bit per head does not fit, and a context that is not a positive integer (`check_context`)."""
+    check_context(context)
     full = sixteen_bit_bytes(artifact, context)
     layer_token = full_kv_bytes_per_token(artifact, element_size=2) / artifact.num_layers  # one token, one layer
     held = held_tokens(artifact, context)
@@ -106,8 +116,9 @@ class Budget:
         return size + (f"+{self.salience.spec()}" if self.salience is not None else "")
 
     def quantized(self, artifact, context: int) -> Quantized:
-        """The codes of this budget at `context` tokens, their pool priced at `context` when the model has
-        sliding-window layers and the pool is global."""
+        """The codes meeting this budget at `context` tokens (a positive integer, for bit budgets too), their pool
+        priced at `context` when the model has sliding-window layers and the pool is global."""
+        check_context(context)
         pool = self.pool or default_pool(artifact)
         bits = self.bits if self.bits is not None else bits_for_ratio(
             artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience)

@@ -66,12 +66,29 @@ def read_text(path: str) -> tuple[str, str]:
     if not file.is_file():
         raise FileNotFoundError(f"--text {path}: no such file.")
     if file.suffix == ".jsonl":
-        text = json.loads(file.read_text(encoding="utf-8").splitlines()[0])["text"]
+        text = _first_document(file, path)
     else:
         text = file.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"--text {path}: the text is empty; give a text of at least --context tokens.")
     return file.stem, text
+
+
+def _first_document(file: Path, path: str) -> str:
+    """The "text" of the first non-blank line of a .jsonl file (named `path` in errors)."""
+    expected = 'expected lines of {"text": "..."}'
+    line = next((line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()), None)
+    if line is None:
+        raise ValueError(f"--text {path}: the file holds no document; {expected}.")
+    try:
+        document = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--text {path}: its first document is not JSON ({e}); {expected}.") from None
+    if not isinstance(document, dict) or not isinstance(document.get("text"), str):
+        found = line.strip()[:60] if not isinstance(document, dict) else f"the keys {sorted(document)}" \
+            if "text" not in document else f'"text": {json.dumps(document["text"])[:40]}'
+        raise ValueError(f"--text {path}: its first document has no \"text\" string (found {found}); {expected}.")
+    return document["text"]
 
 
 def _ids(tokenizer: Any, name: str, text: str, tokens: int) -> torch.Tensor:

@@ -409,6 +409,23 @@ def test_report_refuses_texts_it_cannot_measure_and_an_empty_out(tmp_path, capsy
     assert not (tmp_path / "report.md").exists()
 
 
+@pytest.mark.parametrize("body, fragment", [
+    ("", "the file holds no document"),
+    ("\n  \n", "the file holds no document"),
+    ('{"body": "prose"}\n', 'its first document has no "text" string (found the keys [\'body\'])'),
+    ('{"text": 5}\n', 'its first document has no "text" string (found "text": 5)'),
+    ('["prose"]\n', 'its first document has no "text" string (found ["prose"])'),
+    ("{oops\n", "its first document is not JSON"),
+])
+def test_report_refuses_a_jsonl_without_a_text_in_one_line(tmp_path, capsys, no_model, body, fragment):
+    """An empty .jsonl or one whose first document has no "text" string used to print IndexError/KeyError
+    (unexpected); now one line that says what was expected, before the model loads."""
+    file = tmp_path / "docs.jsonl"
+    file.write_text(body)
+    code, _, err = run_main(["report", "--model", MODEL, "--artifact", PRE, "--text", str(file)], capsys)
+    assert_one_line_error(code, err, 1, f"--text {file}: {fragment}", 'expected lines of {"text": "..."}')
+
+
 CTRL_C_DURING_IMPORT = """
 import importlib.abc, os, runpy, signal, sys, time
 

@@ -55,6 +55,22 @@ def test_budget_methods_pick_the_pool_the_artifact_supports(weighted):
     assert parse_budget("40").methods(plain, 256)[-1].bits == 40
 
 
+@pytest.mark.parametrize("context, error, fragment", [
+    (0, ValueError, "context must be at least 1 token"),
+    (-5, ValueError, "context must be at least 1 token"),
+    (None, TypeError, "context must be an integer number of tokens, e.g. 4096, got None"),
+    (512.0, TypeError, "context must be an integer number of tokens"),
+    (True, TypeError, "context must be an integer number of tokens"),
+])
+def test_budgets_refuse_a_context_that_is_not_a_positive_integer(weighted, context, error, fragment):
+    """`context=0` used to raise ZeroDivisionError and `context=None` a bare TypeError, for ratios and bits alike."""
+    for budget in ("8x", "40"):
+        with pytest.raises(error, match=fragment):
+            parse_budget(budget).methods(weighted, context)
+    with pytest.raises(error, match=fragment):
+        bits_for_ratio(weighted, 8, pool="head", context=context)
+
+
 # ----- calibration text ------------------------------------------------------------------------------------------
 def test_the_shipped_mix_is_small_and_mixes_prose_and_verse():
     assert DEFAULT.stat().st_size < 2_000_000
