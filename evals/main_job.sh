@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=.models/SmolLM2-135M-Instruct
 DATA=patchkv/tasks/data
-.venv/bin/patchkv calibrate --model "$MODEL" --out bases/smollm2
+.venv/bin/patchkv calibrate --model "$MODEL" --out bases/smollm2 --force
 .venv/bin/patchkv report --model "$MODEL" --artifact bases/smollm2 --dtype bfloat16 \
   --text "$DATA/prose_4k.jsonl" --text "$DATA/shakespeare_4k.jsonl" --text "$DATA/milton_4k.jsonl" \
   --out evals/results/main_job

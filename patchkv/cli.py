@@ -147,7 +147,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from .steps import fit_step_scales
     from .texts import read_texts
 
-    target = _check_out_file(args.out)  # before the (slow) calibration: a bad --out would lose it
+    target = _check_out_file(args.out, args.force)  # before the (slow) calibration: a bad --out would lose it
     texts = read_texts(args.data, column=args.data_column)
     created = init_from_env()
     try:
@@ -227,9 +227,10 @@ def _check_out_dir(out: str, name: str) -> Path:
     return folder
 
 
-def _check_out_file(out: str) -> Path:
+def _check_out_file(out: str, force: bool) -> Path:
     """The artifact file `calibrate --out` will write (`Artifact.save`'s rule: a .safetensors path, else a folder
-    holding patchkv.safetensors), refused before any work unless it can be written. Nothing is created."""
+    holding patchkv.safetensors), refused before any work unless it can be written, and, without `force` (`--force`),
+    when it already exists. Nothing is created."""
     if not out:
         raise UsageError(f"--out '': expected a folder or a .safetensors file ('.' for {FILENAME} in the current "
                          "folder).")
@@ -238,6 +239,9 @@ def _check_out_file(out: str) -> Path:
     _check_writable_folder(out, file.parent)
     if file.is_dir():
         raise IsADirectoryError(f"--out {out}: {file} is a directory, so the artifact cannot be written there.")
+    if file.exists() and not force:
+        raise FileExistsError(f"--out {out}: {file} already exists; pass --force to overwrite it, or choose another "
+                              "--out.")
     return file
 
 
@@ -391,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the model's dtype for the forwards (auto: its own); statistics are float64 whatever it is")
     c.add_argument("--out", required=True, help="output directory or .safetensors file")
+    c.add_argument("--force", action="store_true", help="overwrite the artifact --out names if it exists")
     c.set_defaults(func=cmd_calibrate)
 
     e = sub.add_parser("eval", help="lm-eval scores vs KV bytes, patched vs unpatched")

@@ -243,6 +243,22 @@ def test_calibrate_writes_where_out_says(tmp_path, capsys, fake_calibration, tin
     assert code == 0 and fake_calibration[-1]["layer_bases"], err
 
 
+def test_calibrate_refuses_to_overwrite_an_artifact_without_force(tmp_path, capsys, fake_calibration, tiny_artifact):
+    """An existing artifact at --out (a file, or patchkv.safetensors in a folder) is refused before calibrating and
+    left as it was; --force overwrites it."""
+    for out, file in ((tmp_path / "a.safetensors", tmp_path / "a.safetensors"),
+                      (tmp_path / "dir", tmp_path / "dir" / "patchkv.safetensors")):
+        file.parent.mkdir(exist_ok=True)
+        file.write_bytes(b"an earlier artifact")
+        code, _, err = run_main(calibrate_argv(str(out)), capsys)
+        assert_one_line_error(code, err, 1, f"--out {out}: {file} already exists; pass --force to overwrite it")
+        assert file.read_bytes() == b"an earlier artifact" and fake_calibration == []
+        code, stdout, err = run_main([*calibrate_argv(str(out)), "--force"], capsys)
+        assert code == 0 and f"wrote {file}" in stdout, err
+        assert patchkv.Artifact.load(file).metadata() == tiny_artifact.metadata()
+        fake_calibration.clear()
+
+
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
                                      SafetensorError("No space left on device (os error 28)")])
 def test_disk_full_on_save_is_one_line(tmp_path, capsys, monkeypatch, fake_calibration, failure):
