@@ -40,11 +40,14 @@ from .modes import Visible, grouped_scores
 
 class LatentForward:
     """The `forward` installed on a patched attention module: a plain object (no closure), so a patched
-    model pickles and loads patched."""
+    model pickles and loads patched. `torch.compile` never traces it (`torch.compiler.disable`): the rest of the
+    model compiles, and patched attention runs as it does uncompiled (its data-dependent shapes, Python-side cache
+    and C++ kernels are not graphs)."""
 
     def __init__(self, module: nn.Module):
         self.module = module
 
+    @torch.compiler.disable
     def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                  attention_mask: torch.Tensor | None = None, cache: Cache | None = None, **kwargs: Any
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -224,3 +224,32 @@ def test_the_rope_table_follows_the_model_into_another_dtype(model_and_artifact)
         moved(ids, use_cache=True)  # the table now covers all 200 positions, in float32's frequencies
         moved.to(torch.bfloat16)
         assert torch.equal(fed_in_chunks(moved, ids, 50), want)
+
+
+def test_torch_compile_leaves_patched_attention_uncompiled_and_exact(model_and_artifact, monkeypatch):
+    """`torch.compile(model)` after `apply` compiles the rest of the model and never traces patched attention
+    (`torch.compiler.disable`: its data-dependent shapes, Python-side cache and C++ kernels are no graph): a prefill
+    and decode steps through the cache give the uncompiled logits exactly (the eager backend: the same kernels)."""
+    model, art = model_and_artifact
+    traced = []
+    forward = attention.latent_attention_forward
+    monkeypatch.setattr(attention, "latent_attention_forward",
+                        lambda *a, **k: traced.append(torch.compiler.is_compiling()) or forward(*a, **k))
+    ids = calibration_ids(1, 20, seed=3)
+
+    def prefill_and_decode(m):
+        out = m(ids[:, :16], use_cache=True)
+        logits = [out.logits]
+        for t in range(16, 20):
+            out = m(ids[:, t:t + 1], cache=out.cache, use_cache=True)
+            logits.append(out.logits)
+        return torch.cat(logits, dim=1)
+
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24)]):
+        want = prefill_and_decode(model)
+        try:
+            got = prefill_and_decode(torch.compile(model, backend="eager"))
+        finally:
+            torch.compiler.reset()
+    assert torch.equal(got, want)
+    assert traced and not any(traced)
