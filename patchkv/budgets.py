@@ -12,8 +12,9 @@ used.
 
 Bytes are those the caches hold: a sliding-window layer holds only its last `window - 1` tokens, in the unpatched
 cache as in patchkv's, so for a model with such layers (Gemma 3, Mistral or Qwen2 configs with a window) the 16-bit
-reference at `context` counts what each layer holds (`sixteen_bit_bytes(artifact, context)`), and the global pool is
-priced by it (`Quantized(..., context=context)`: bits in a layer that holds fewer tokens cost less).
+reference at `context` counts what each layer holds (`sixteen_bit_bytes(artifact, context)`), and so do the codes.
+The pool itself prices every layer alike: pricing a layer's bits by the tokens it holds
+(`Quantized(..., context=context)`) lost on Gemma 3 (`evals/research_sliding.py`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     salient = salient_bytes(artifact, salience, context - min(sink_tokens + window, context))
 
     def total(bits: int) -> float:
-        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, pool, basis, context)))
+        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, pool, basis)))
         return (sum(exact) * layer_token + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
@@ -116,14 +117,12 @@ class Budget:
         return size + (f"+{self.salience.spec()}" if self.salience is not None else "")
 
     def quantized(self, artifact, context: int) -> Quantized:
-        """The codes meeting this budget at `context` tokens (a positive integer, for bit budgets too), their pool
-        priced at `context` when the model has sliding-window layers and the pool is global."""
+        """The codes meeting this budget at `context` tokens (a positive integer, for bit budgets too)."""
         check_context(context)
         pool = self.pool or default_pool(artifact)
         bits = self.bits if self.bits is not None else bits_for_ratio(
             artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience)
-        sliding = any(window is not None for window in artifact.sliding_windows)
-        return Quantized(bits, pool=pool, basis=self.basis, context=context if sliding and pool == "global" else None)
+        return Quantized(bits, pool=pool, basis=self.basis)
 
     def methods(self, artifact, context: int) -> list[Method]:
         """[SinksWindow(*EXACT), Quantized(bits, pool)] (and the salience method) meeting this budget at `context`

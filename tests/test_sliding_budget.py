@@ -1,6 +1,6 @@
 """Budgets for models with sliding-window layers: the artifact records each layer's window (format version 6), a
-ratio is quoted against what the unpatched cache really holds, and the global pool prices a layer's bits by the
-tokens it holds (`patchkv.allocation.layer_prices`)."""
+ratio is quoted against what the unpatched cache really holds, and the global pool can price a layer's bits by the
+tokens it holds (`Quantized(..., context=)`, `patchkv.allocation.layer_prices`)."""
 
 from dataclasses import replace
 
@@ -10,11 +10,11 @@ from conftest import calibration_ids, make_model
 from test_reliability_artifact import read, write
 
 import patchkv
-from patchkv.allocation import (allocate_bits_global, allocate_to_bytes, bit_allocation, held_tokens,
+from patchkv.allocation import (allocate_bits_global, allocate_to_bytes, bit_allocation, code_bytes, held_tokens,
                                 layer_prices)
 from patchkv.adapters import adapter_for, attention_modules
 from patchkv.artifact import Artifact
-from patchkv.budgets import parse_budget, sixteen_bit_bytes
+from patchkv.budgets import EXACT, exact_tokens, parse_budget, sixteen_bit_bytes
 from patchkv.errors import ArtifactError, IncompatibleArtifactError
 from patchkv.memory import cache_nbytes
 
@@ -135,10 +135,19 @@ def test_a_ratio_holds_against_what_the_unpatched_cache_holds(sliding, budget):
             parse_budget(budget).methods(artifact, context=context)
         return
     methods = parse_budget(budget).methods(artifact, context=context)
-    assert methods[1].context == context and methods[1].pool == "global"
+    assert methods[1].context is None and methods[1].pool == "global"  # every layer priced alike
     with patchkv.patched(bf16, artifact, methods):  # exact tokens in bf16, as the budget counts them
         cache = bf16(ids, use_cache=True).past_key_values
     assert cache_nbytes(cache) / context <= reference / ratio
     more = [methods[0], replace(methods[1], bits=methods[1].bits + 1)]  # one more bit per head does not fit
     with patchkv.patched(bf16, artifact, more):
         assert cache_nbytes(bf16(ids, use_cache=True).past_key_values) / context > reference / ratio
+    for q in (methods[1], replace(methods[1], context=context)):  # alike and priced: bytes as the budget counts them
+        with patchkv.patched(bf16, artifact, [methods[0], q]):
+            cache = bf16(ids, use_cache=True).past_key_values
+        held = held_tokens(artifact, context)
+        exact = [exact_tokens(h, context, *EXACT) for h in held]
+        codes = code_bytes(artifact, q.bits, q.pool, context=q.context)
+        layer_token = 2 * artifact.num_kv_heads * artifact.head_dim * 2
+        assert [layer.nbytes() for layer in cache.layers] == [
+            (h - e) * c + e * layer_token for h, e, c in zip(held, exact, codes)]
