@@ -7,6 +7,7 @@
     python -m evals throughput --out evals/results             # speed, every path side by side (bench_throughput.py)
     python -m evals profile --out evals/results                # where the time goes, per stage (profile_paths.py)
     python -m evals lossless --out evals/results               # DEFLATE over saved caches' codes (bench_lossless.py)
+    python -m evals memory --out evals/results                 # peak memory of one prefill (bench_memory.py)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -259,7 +260,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
-              "salience": "bench_salience"}
+              "salience": "bench_salience", "memory": "bench_memory"}
 
 
 def main(argv: list[str] | None = None) -> None:
