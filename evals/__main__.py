@@ -8,6 +8,7 @@
     python -m evals profile --out evals/results                # where the time goes, per stage (profile_paths.py)
     python -m evals lossless --out evals/results               # DEFLATE over saved caches' codes (bench_lossless.py)
     python -m evals memory --out evals/results                 # peak memory of one prefill (bench_memory.py)
+    python -m evals blocks --out evals/results                 # a prefix store's blocks, pre- vs post-RoPE (bench_blocks.py)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -260,7 +261,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
-              "salience": "bench_salience", "memory": "bench_memory"}
+              "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks"}
 
 
 def main(argv: list[str] | None = None) -> None:
