@@ -3,8 +3,8 @@
 `scripts/setup.sh` builds them (`cpu.build()`); otherwise the first use does (about half a
 minute, with a compiler: gcc or clang and the Python headers). They are compiled for the machine that builds
 them (`-march=native`), so the cache key includes the CPU's identity as well as the source, torch's version and
-the flags. `PATCHKV_CPU_KERNELS=0` disables them: the PyTorch references in `reference.py` run instead (same
-results, several times slower on long caches).
+install, and the flags. `PATCHKV_CPU_KERNELS=0` disables them: the PyTorch references in `reference.py` run instead
+(same results, several times slower on long caches).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
 def _cpu_identity() -> str:
-    """What the build depends on besides the source: the CPU (model and instruction-set flags) and torch."""
-    parts = [platform.machine(), torch.__version__, " ".join(FLAGS)]
+    """What the build depends on besides the source: the CPU (model and instruction-set flags) and torch, by version
+    and by where it is installed (each virtual environment builds its own: .venv and .venv-vllm, with the same torch,
+    would otherwise rebuild over each other, a minute each time)."""
+    parts = [platform.machine(), torch.__version__, str(Path(torch.__file__).parent), " ".join(FLAGS)]
     try:
         with open("/proc/cpuinfo") as f:
             parts += sorted({line for line in f if line.startswith(("model name", "flags", "Features"))})
