@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             for (budget, mode), codec in codecs.items():
                 decoded, size = stored(codec, exact, args.block)
                 nll = continuation_nll(model, [(k[:-1], v[:-1]) for k, v in decoded], tail)
-                rows.append({"budget": budget, "mode": mode, "method": codec.method.spec(), "document": f"{domain}#{index}",
-                             "prefix": args.prefix, "block": args.block,
+                rows.append({"budget": budget, "mode": mode, "method": codec.method.spec(),
+                             "document": f"{domain}#{index}", "prefix": args.prefix, "block": args.block,
                              "stored_bytes_per_token": round(size / args.prefix, 1),
                              "compression_vs_bf16": round(full * args.prefix / size, 3),
                              "key_relative_error": round(relative_error(decoded, exact, 0), 5),

@@ -210,7 +210,7 @@ class BlockCodec:
     def layer_bytes(self, layer: int, positions: torch.Tensor) -> int:
         """Bytes of one layer's payload for tokens at `positions` `[n]`."""
         sinks = self.sinks(positions)
-        exact = 2 * self.artifact.num_kv_heads * self.artifact.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        exact = self.sink_bytes // self.artifact.num_layers  # one token's keys and values of one layer
         return sinks * exact + (positions.shape[0] - sinks) * self.layers[layer].token_bytes
 
     def encode_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> bytes:
@@ -273,8 +273,8 @@ class BlockCodec:
         data = memoryview(data)
         n = positions.shape[0]
         if len(data) != self.block_bytes(positions):
-            raise BlockError(f"a block of {n} tokens takes {self.block_bytes(positions)} bytes under {self.describe()}; got "
-                             f"{len(data)}: truncated, or written under another codec.")
+            raise BlockError(f"a block of {n} tokens takes {self.block_bytes(positions)} bytes under "
+                             f"{self.describe()}; got {len(data)}: truncated, or written under another codec.")
         magic, version, fingerprint, tokens, digest = _HEADER.unpack(data[:HEADER_BYTES])
         if magic != MAGIC or version != VERSION:
             raise BlockError(f"not a patchkv block of version {VERSION} (magic {bytes(magic)!r}, version {version}).")
@@ -283,8 +283,8 @@ class BlockCodec:
                              f"{self.describe()}; it is refused.")
         payload = data[HEADER_BYTES:]
         if tokens != n or digest != self._digest(positions, payload):
-            raise BlockError(f"the block's digest does not match its bytes at these {n} positions: it is damaged, or it "
-                             "was written for other positions; it is refused.")
+            raise BlockError(f"the block's digest does not match its bytes at these {n} positions: it is damaged, or "
+                             "it was written for other positions; it is refused.")
         out, start = [], 0
         for i in range(len(self.layers)):
             size = self.layer_bytes(i, positions)

@@ -94,7 +94,8 @@ def measure(llm: LLM, budget: str, domain: str, args: argparse.Namespace, bf16: 
     ppl = [math.exp(-sum(scored[i] for i in both) / len(both)) for scored in (exact, loaded)]
     stored_tokens = len(prefix) // BLOCK * BLOCK  # a finished request's full computed blocks
     per_token = stored_bytes / max(stored_tokens, 1)
-    return {"budget": budget, "method": worker.codec.method.spec(), "document": f"{domain}#0", "prefix_tokens": len(prefix),
+    return {"budget": budget, "method": worker.codec.method.spec(), "document": f"{domain}#0",
+            "prefix_tokens": len(prefix),
             "stored_bytes_per_token": round(per_token, 1), "bf16_bytes_per_token": bf16,
             "compression_vs_bf16": round(bf16 / per_token, 3), "prefixes_per_gib": int(GIB // stored_bytes),
             "bf16_prefixes_per_gib": int(GIB // (bf16 * stored_tokens)), "ttft_recompute_s": round(recompute, 3),

@@ -31,7 +31,8 @@ def llm():
 
 def engine_codec_bytes() -> int:
     """Bytes of one stored block past the sinks at full rank (float32 latents), from the artifact alone."""
-    codec = BlockCodec(Artifact.load(ARTIFACT), LowRank(rank=64), Rotations.from_config(AutoConfig.from_pretrained(SMOLLM2)))
+    rotations = Rotations.from_config(AutoConfig.from_pretrained(SMOLLM2))
+    codec = BlockCodec(Artifact.load(ARTIFACT), LowRank(rank=64), rotations)
     return codec.block_bytes(torch.arange(BLOCK, 2 * BLOCK))
 
 
