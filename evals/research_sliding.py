@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 
 import patchkv
-from patchkv.allocation import code_bytes, held_tokens
 from patchkv.artifact import Artifact
-from patchkv.budgets import EXACT, POSITION_BYTES, exact_tokens, parse_budget, sixteen_bit_bytes
+from patchkv.budgets import EXACT, bits_for_ratio, parse_budget, sixteen_bit_bytes
 from patchkv.memory import cache_nbytes
 from patchkv.methods import Quantized, SinksWindow
 from patchkv.perplexity import token_nll
@@ -37,25 +36,6 @@ from .suite import ROOT, write_csv
 
 ARTIFACT = ROOT / "artifacts/gemma3-bases/pre_rope.safetensors"
 MODEL = ROOT / ".models/gemma-3-270m"
-
-
-def priced_bits(artifact: Artifact, ratio: float, context: int) -> int:
-    """The most bits per head for a global pool priced at `context` whose cache there fits the 16-bit bytes /
-    `ratio`."""
-    target = sixteen_bit_bytes(artifact, context) / ratio
-    layer_token = 2 * artifact.num_kv_heads * artifact.head_dim * 2
-    held = held_tokens(artifact, context)
-    exact = [exact_tokens(h, context, *EXACT) for h in held]
-
-    def total(bits: int) -> float:
-        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, "global", context=context)))
-        return (sum(exact) * layer_token + codes) / context + POSITION_BYTES
-
-    low, high = 1, artifact.head_dim * 8
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if total(mid) <= target else (low, mid - 1)
-    return low
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     for ratio in args.ratios:
         budget = parse_budget(f"{ratio:g}x")
         configs.append((f"{ratio:g}x alike", budget.methods(artifact, context)))
-        configs.append((f"{ratio:g}x priced", [SinksWindow(*EXACT), Quantized(priced_bits(artifact, ratio, context),
-                                                                              pool="global", context=context)]))
+        bits = bits_for_ratio(artifact, ratio, pool="global", context=context, priced=True)
+        configs.append((f"{ratio:g}x priced", [SinksWindow(*EXACT), Quantized(bits, pool="global", context=context)]))
     rows, base = [], None
     for label, methods in configs:
         with (patchkv.patched(model, artifact, methods) if methods else torch.no_grad()):

@@ -72,11 +72,13 @@ def exact_tokens(held: int, context: int, sink_tokens: int, window: int) -> int:
 
 
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
-                   window: int = EXACT[1], basis: str = "head", salience: Salience | None = None) -> int:
+                   window: int = EXACT[1], basis: str = "head", salience: Salience | None = None,
+                   priced: bool = False) -> int:
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
     `salience`'s exact tokens) whose whole cache at `context` tokens (exact sinks and window in 16 bits, codes, the
     salient tokens, positions) holds at most the 16-bit cache's bytes / `ratio` per token. Raises ValueError if even
-    1 bit per head does not fit, and a context that is not a positive integer (`check_context`)."""
+    1 bit per head does not fit, and a context that is not a positive integer (`check_context`). `priced`: for
+    `Quantized(bits, pool, context=context)`, the pool priced by the tokens each layer holds."""
     check_context(context)
     full = sixteen_bit_bytes(artifact, context)
     layer_token = full_kv_bytes_per_token(artifact, element_size=2) / artifact.num_layers  # one token, one layer
@@ -85,7 +87,8 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     salient = salient_bytes(artifact, salience, context - min(sink_tokens + window, context))
 
     def total(bits: int) -> float:
-        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, pool, basis)))
+        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, pool, basis,
+                                                                            context if priced else None)))
         return (sum(exact) * layer_token + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
