@@ -172,7 +172,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                       "tokens)", flush=True)
                 artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool, context=q.context,
                                            sink_tokens=args.sink_tokens, window=args.window, chunk=args.step_chunk,
-                                           passes=2)
+                                           passes=2, top=args.step_top or None)
             try:
                 file = artifact.save(target)
             except (OSError, SafetensorError) as e:
@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step-chunk", type=positive_int, default=64,
                    help="tokens per forward while fitting step scales (as `patchkv report` scores; 16 fits closer "
                         "to token-by-token decoding, 4x slower)")
+    c.add_argument("--step-top", type=non_negative_int, default=64,  # patchkv.steps.TOP
+                   help="the step-scale loss reads the targets and each position's K likeliest tokens under the "
+                        "unpatched model (0: the whole vocabulary, slower where the vocabulary is large)")
     c.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the model's dtype for the forwards (auto: its own); statistics are float64 whatever it is")
     c.add_argument("--out", required=True, help="output directory or .safetensors file")

@@ -31,17 +31,21 @@ class Scored:
 
 
 @torch.no_grad()
-def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None) -> Scored:
+def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None,
+              targets: torch.Tensor | None = None) -> Scored:
     """Score `input_ids` `[batch, seq]` fed `chunk` tokens per forward through `cache` (None: the model's own, a
-    `LatentCache` when patched); the cache is left holding the text."""
+    `LatentCache` when patched); the cache is left holding the text. `targets` `[batch, seq]`: where each token's
+    logit is read (default `input_ids`; for a model whose head scores a restricted vocabulary, the tokens' indices
+    in it)."""
     device = next(model.parameters()).device
     ids = input_ids.to(device)
+    targets_at = ids if targets is None else targets.to(device)
     total, count, logits = 0.0, 0, None
     for start in range(0, ids.shape[1], chunk):
         step = ids[:, start:start + chunk]
         out = model(input_ids=step, cache=cache, use_cache=True)
         cache = out.cache if cache is None else cache
-        targets = ids[:, start + 1:start + 1 + step.shape[1]]
+        targets = targets_at[:, start + 1:start + 1 + step.shape[1]]
         logits = out.logits[:, -1].float()
         if targets.shape[1]:
             logprobs = out.logits[:, : targets.shape[1]].float().log_softmax(-1)

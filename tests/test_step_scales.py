@@ -16,13 +16,13 @@ from patchkv.allocation import bit_allocation, step_scales_for
 from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError, InvalidArtifactError, PatchKVError
 from patchkv.quantize import GAUSSIAN_STEP
-from patchkv.steps import token_loss, with_step_scales
+from patchkv.steps import loss_vocabulary, restricted_head, token_loss, with_step_scales
 
 
 @pytest.fixture(scope="module")
 def fitted(model, weighted):
     return patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40, seed=9), bits=12, pool="global",
-                                   sink_tokens=2, window=4, grid=(1.0, 3.0))
+                                   sink_tokens=2, window=4, grid=(1.0, 3.0), top=None)
 
 
 def test_version_4_round_trips_with_and_without_effect_weights(tmp_path, fitted):
@@ -186,6 +186,35 @@ def test_fit_takes_the_scales_of_lowest_loss_and_records_them(model, fitted):
     assert nll == pytest.approx(tried[best], abs=1e-5)
 
 
+def test_a_restricted_loss_reads_the_targets_and_the_unpatched_top_tokens(model, weighted):
+    ids = calibration_ids(2, 40, seed=9)
+    with torch.no_grad():
+        logits = fed_in_chunks(model, ids, 64)  # unpatched: every position's logits
+    expected = torch.unique(torch.cat([ids.flatten(), logits.topk(5, dim=-1).indices.flatten()]))
+    assert 5 < expected.numel() < 96 and torch.equal(loss_vocabulary(model, ids, 5, chunk=16), expected)
+    assert loss_vocabulary(model, ids, 96) is None  # the whole vocabulary: nothing to restrict
+    fit = patchkv.fit_step_scales(model, weighted, ids, bits=12, pool="global", sink_tokens=2, window=4,
+                                  grid=(1.0, 3.0), top=5).calibration["step_scale_fits"][-1]
+    assert fit["loss_vocabulary"] == {"top": 5, "tokens": expected.numel()}
+    best = (fit["keys"], fit["values"])
+    tried = {(k, v): nll for k, v, nll in fit["tried"]}
+    fitted = with_step_scales(weighted, *best, bits=12, pool="global")
+    with patchkv.patched(model, fitted, [patchkv.SinksWindow(2, 4), patchkv.Quantized(12, pool="global")]):
+        restricted = fed_in_chunks(model, ids, fit["chunk"])[..., expected].log_softmax(-1)[:, :-1]
+    targets = torch.searchsorted(expected, ids[:, 1:].contiguous())
+    assert -restricted.gather(-1, targets[..., None]).mean().item() == pytest.approx(tried[best], abs=1e-5)
+    assert isinstance(model.get_output_embeddings(), torch.nn.Linear)  # the model's own head is back
+
+
+def test_restricted_head_puts_the_head_back_on_error(model):
+    head = model.get_output_embeddings()
+    with pytest.raises(RuntimeError, match="inside"):
+        with restricted_head(model, torch.tensor([3, 7, 9])):
+            assert model(calibration_ids(1, 5)).logits.shape[-1] == 3
+            raise RuntimeError("inside")
+    assert model.get_output_embeddings() is head
+
+
 def test_token_loss_of_an_unpatched_model_is_its_cross_entropy(model):
     ids = calibration_ids(2, 20, seed=4)
     with torch.no_grad():
@@ -221,3 +250,5 @@ def test_two_passes_search_the_keys_then_the_values_only(model, weighted):
     assert tried == {(k, 1.0) for k in grid} | {(keys, v) for v in grid} and fit["keys"] == keys
     with pytest.raises(ValueError, match="passes"):
         patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40), bits=12, passes=4)
+    with pytest.raises(ValueError, match="top must be a positive integer"):
+        patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40), bits=12, top=0)
