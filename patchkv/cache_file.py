@@ -61,6 +61,7 @@ from safetensors.torch import save_file
 
 from .cache import REGIONS, SALIENT, LatentCache, LatentLayer, no_salient
 from .errors import PatchKVError
+from .lossless import InflateError, check_compress, deflate, inflate
 
 FORMAT = "patchkv_cache"
 VERSION = 2
@@ -94,8 +95,7 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
                ) -> SavedCache:
     """Write `cache` to `path` (format above), its packed codes DEFLATE-compressed at zlib `level` unless
     `compress` is None. The cache is not changed; tensors are copied to the CPU."""
-    if compress not in (None, "deflate"):
-        raise ValueError(f"compress must be 'deflate' or None, got {compress!r}.")
+    check_compress(compress, level)
     if not isinstance(cache, LatentCache):
         raise PatchKVError(f"save_cache() writes a patchkv.LatentCache, got {type(cache).__name__}; a patched "
                            "model's generate() or patchkv.LatentCache(model) makes one.")
@@ -110,7 +110,7 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
             entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "encoding": "raw"}
             if compress and name.startswith("latent") and t.dtype == torch.uint8 and t.numel():
                 raw = t.squeeze(1).transpose(1, 2).contiguous().numpy().tobytes()  # [batch, width, seq]
-                packed = zlib.compress(raw, level)
+                packed = deflate(raw, level)
                 code_bytes, stored = code_bytes + len(raw), stored + len(packed)
                 entry.update(encoding="deflate", crc32=zlib.crc32(raw))
                 t = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
@@ -338,14 +338,12 @@ def _region(path: Path, tensors: dict[str, torch.Tensor], name: str, entry: dict
     if entry["encoding"] == "raw":
         return t
     batch, _, seq, width = entry["shape"]
-    expected = batch * seq * width
-    inflater = zlib.decompressobj()
     try:  # at most the declared bytes come out (checked against the patch): a stream that would inflate further stops
-        raw = inflater.decompress(t.numpy().tobytes(), expected)
-    except zlib.error as e:
-        raise PatchKVError(f"{path}: region {name} does not inflate ({e}); the file is damaged.") from e
-    if len(raw) != expected or inflater.unconsumed_tail or not inflater.eof or zlib.crc32(raw) != entry.get("crc32"):
-        raise PatchKVError(f"{path}: region {name} inflates to other bytes than were saved (size or crc32 differ); "
+        raw = inflate(t.numpy().tobytes(), batch * seq * width)
+    except InflateError as e:
+        raise PatchKVError(f"{path}: region {name} {e}; the file is damaged.") from e
+    if zlib.crc32(raw) != entry.get("crc32"):
+        raise PatchKVError(f"{path}: region {name} inflates to other bytes than were saved (crc32 differs); "
                            "the file is damaged.")
     codes = np.frombuffer(raw, dtype=np.uint8).reshape(batch, width, seq).transpose(0, 2, 1)
     return torch.from_numpy(np.ascontiguousarray(codes)).unsqueeze(1)
