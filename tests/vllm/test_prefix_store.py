@@ -1,6 +1,6 @@
-"""The prefix store inside vLLM: a stored prefix hit gives the tokens recomputing it gives (full rank), the store keeps
-to its byte budget on both sides, a damaged or foreign block is refused and recomputed, two requests on one prefix,
-an aborted request stores nothing."""
+"""The prefix store inside vLLM: a stored prefix hit gives the tokens recomputing it gives (full rank), also when it
+is read back from disk, the store keeps to its byte budgets on both sides, a damaged or foreign block is refused and
+recomputed, two requests on one prefix, an aborted request stores nothing."""
 
 from types import SimpleNamespace
 
@@ -15,7 +15,8 @@ from vllm.v1.request import RequestStatus
 from patchkv import Artifact
 from patchkv.block_codec import HEADER_BYTES, BlockCodec, Rotations
 from patchkv.methods import LowRank
-from patchkv.prefix_store import block_keys
+from patchkv.integrations.vllm import Settings, kv_transfer_config
+from patchkv.prefix_store import SPILL_HEADER_BYTES, block_keys
 
 #: blocks the store holds: more than one 1k prompt (31 blocks), fewer than two
 CAPACITY_BLOCKS = 40
@@ -59,6 +60,8 @@ def check_budget(llm) -> None:
     scheduler, worker = sides(llm)
     for side in (scheduler, worker):
         assert side.store.held_bytes <= side.store.capacity
+        if side.store.spill is not None:
+            assert side.store.disk_bytes <= side.store.spill.capacity
     assert set(worker.store.keys()) == set(scheduler.store.keys())
 
 
@@ -131,3 +134,50 @@ def test_an_aborted_request_stores_nothing(llm):
     before = scheduler.store.keys()
     assert scheduler.request_finished(aborted, list(range(len(ids) // BLOCK))) == (False, None)
     assert scheduler.store.keys() == before
+
+
+def test_spill_settings_are_read_from_the_extra_config(tmp_path):
+    config = kv_transfer_config(ARTIFACT, store_bytes=1000, spill_dir=tmp_path, spill_bytes=5000,
+                                spill_compress="deflate")
+    store = Settings.read(dict(config.kv_connector_extra_config)).store(sizes_only=True)
+    assert (store.capacity, store.spill.folder, store.spill.capacity, store.spill.compress) == (
+        1000, tmp_path, 5000, "deflate")
+    with pytest.raises(ValueError, match="both spill_dir"):
+        Settings.read({"artifact": str(ARTIFACT), "spill_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="spill_compress"):
+        Settings.read({"artifact": str(ARTIFACT), "spill_dir": str(tmp_path), "spill_bytes": 10,
+                       "spill_compress": "zstd"})
+
+
+def test_a_hit_read_back_from_disk_gives_the_tokens_of_recompute(llm, tmp_path, monkeypatch):
+    """Memory for 8 blocks, the rest of a 31-block prompt spilled (DEFLATE): the hit reads the 23 spilled blocks back
+    (and the 8 it pushes out while loading, the first block used last), none refused, and continues as recomputing
+    does."""
+    scheduler, worker = sides(llm)
+    block = engine_codec_bytes()
+    settings = Settings(str(ARTIFACT), "lowrank:rank=64", 8 * block, spill_dir=str(tmp_path / "spill"),
+                        spill_bytes=40 * (block + SPILL_HEADER_BYTES), spill_compress="deflate")
+    for side, sizes_only in ((scheduler, True), (worker, False)):
+        monkeypatch.setattr(side, "store", settings.store(sizes_only))
+    reads, errors = [], set()
+    read, load_errors = worker.store._read, worker.get_block_ids_with_load_errors
+    monkeypatch.setattr(worker.store, "_read", lambda key: reads.append(key) or read(key))
+
+    def recorded():
+        failed = load_errors()
+        errors.update(failed)
+        return failed
+
+    monkeypatch.setattr(worker, "get_block_ids_with_load_errors", recorded)
+    ids = prompt(llm, documents()[3])
+    computed = generate(llm, [ids])[0]
+    settle(llm)
+    keys = block_keys(scheduler.root, ids, BLOCK)
+    assert set(worker.store.disk_keys()) == set(scheduler.store.disk_keys()) == set(keys[8:])
+    assert len(list((tmp_path / "spill").iterdir())) == len(keys) - 8
+    stored = generate(llm, [ids])[0]
+    assert stored.num_cached_tokens == (len(ids) - 1) // BLOCK * BLOCK
+    assert stored.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert set(reads) >= set(keys[8:]) and not errors  # every spilled block read back, none refused
+    settle(llm)
+    check_budget(llm)
