@@ -9,6 +9,7 @@
     python -m evals lossless --out evals/results               # DEFLATE over saved caches' codes (bench_lossless.py)
     python -m evals memory --out evals/results                 # peak memory of one prefill (bench_memory.py)
     python -m evals blocks --out evals/results                 # a prefix store's blocks, pre- vs post-RoPE (bench_blocks.py)
+    python -m evals spill --out evals/results                  # its disk tier and lossless stage (bench_spill.py)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -261,7 +262,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
-              "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks"}
+              "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks",
+              "spill": "bench_spill"}
 
 
 def main(argv: list[str] | None = None) -> None:
