@@ -9,9 +9,9 @@ Milton) is cut at `--prefix` tokens; its keys and values as an engine holds them
 block (`--block` tokens, as the vLLM connector stores them) and put into a `PrefixStore` whose memory holds one
 block, so every other block is spilled to a folder, once with the blocks written as they are and once with
 `compress="deflate"`; every spilled block is then read back (checked bit-exact) by a store reopened on the folder
-with room for all in memory, and decoded. Per budget and document: the
-bytes per token of the spilled blocks in memory and in their files (headers included), DEFLATE's ratio, and per block the median
-milliseconds to spill, to read back and to decode, timed side by side in one run.
+with room for all in memory, and decoded. Per budget and document: the bytes per token of the spilled blocks in memory
+and in their files (headers included), DEFLATE's ratio, and per block the median milliseconds to spill, to read back
+and to decode, timed side by side in one run.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                              "deflate_ratio": round(raw["disk_bytes"] / packed["disk_bytes"], 4),
                              "compression_vs_bf16_memory": round(full / memory, 3),
                              "compression_vs_bf16_deflate": round(full * tokens / packed["disk_bytes"], 3),
-                             "spill_ms_raw": round(raw["spill_ms"], 3), "spill_ms_deflate": round(packed["spill_ms"], 3),
+                             "spill_ms_raw": round(raw["spill_ms"], 3),
+                             "spill_ms_deflate": round(packed["spill_ms"], 3),
                              "read_ms_raw": round(raw["read_ms"], 3), "read_ms_deflate": round(packed["read_ms"], 3),
                              "decode_ms": round(decode, 3)})
                 print(rows[-1], flush=True)
