@@ -139,14 +139,41 @@ class PrefixStore(Generic[Value]):
         return count
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark held `keys` as just used, the first of them evicted last; spilled ones move to memory."""
-        for key in reversed(keys):
-            self._use(key)
+        """Mark held `keys` (a prefix's blocks, in order) as just used, the first of them evicted last. The leading
+        ones that fit in memory together move there (spilled ones read back); the others keep their tier, so a hit
+        larger than memory pushes none of its own blocks out to read them again (`peek` reads those)."""
+        held = [key for key in keys if key in self]
+        room, fit = self.capacity, 0
+        while fit < len(held) and self._size(held[fit]) <= room:
+            room -= self._size(held[fit])
+            fit += 1
+        lead, rest = held[:fit], held[fit:]
+        for key in [*reversed(rest), *reversed(lead)]:  # in memory, the hit's blocks go last to be pushed out
+            if key in self._held:
+                self._held.move_to_end(key)
+        for key in lead:                                 # those that fit together move to memory, pushing others
+            if key in self._spilled:
+                self._use(key)
+        for key in reversed(rest):                       # the rest were just used too: the newest on disk
+            if key in self._spilled:
+                self._spilled.move_to_end(key)
+        for key in reversed(lead):
+            if key in self._held:
+                self._held.move_to_end(key)
 
     def get(self, key: bytes) -> Value | None:
         """The value held for `key`, marked just used (read back into memory if spilled), or None: not held, or its
         spill file refused."""
         return self._held[key][0] if self._use(key) else None
+
+    def peek(self, key: bytes) -> Value | None:
+        """The value held for `key`, from memory or read from its spill file where it stays, marking nothing; None
+        when not held or its spill file is refused (then dropped)."""
+        if key in self._held:
+            return self._held[key][0]
+        if key not in self._spilled or self.sizes_only:
+            return None
+        return self._read_or_drop(key)
 
     def put(self, key: bytes, value: Value, size: int) -> bool:
         """Hold `value` of `size` bytes under `key` in memory (replacing what was there), pushing the least recently
@@ -185,16 +212,26 @@ class PrefixStore(Generic[Value]):
         if key not in self._spilled:
             return False
         size = self._spilled[key][0]
-        try:
-            value = None if self.sizes_only else self._read(key)
-        except (SpillError, OSError) as e:
-            logger.warning("patchkv prefix store: spill file %s refused, counted a miss: %s", self._path(key), e)
-            self._unspill(key)
-            self._evicted.append(key)
+        value = None if self.sizes_only else self._read_or_drop(key)
+        if value is None and not self.sizes_only:
             return False
         self._unspill(key)
         self._admit(key, value, size)
         return True
+
+    def _size(self, key: bytes) -> int:
+        """A held block's bytes (in memory: the value's; spilled: inflated)."""
+        return self._held[key][1] if key in self._held else self._spilled[key][0]
+
+    def _read_or_drop(self, key: bytes) -> bytes | None:
+        """The spilled block under `key`, or None when its file is refused: then it is dropped (and reported)."""
+        try:
+            return self._read(key)
+        except (SpillError, OSError) as e:
+            logger.warning("patchkv prefix store: spill file %s refused, counted a miss: %s", self._path(key), e)
+            self._unspill(key)
+            self._evicted.append(key)
+            return None
 
     def _admit(self, key: bytes, value: Value, size: int) -> None:
         while self.held_bytes + size > self.capacity:

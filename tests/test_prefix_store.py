@@ -118,6 +118,23 @@ def test_least_recently_used_moves_down_the_tiers_and_a_hit_comes_back_up(tmp_pa
     assert store.take_evicted() == [k(b"b")] and store.keys() == [k(b"c"), k(b"d"), k(b"a"), k(b"e")]
     assert store.discard(k(b"c")) and store.disk_keys() == [k(b"d")] and store.take_evicted() == []
     assert store.leading([k(b"d"), k(b"a"), k(b"x"), k(b"e")]) == 2
+    assert store.peek(k(b"d")) == block(ord("d"), 100) and store.disk_keys() == [k(b"d")]   # read, left on disk
+
+
+def test_a_hit_larger_than_memory_moves_its_leading_blocks_up_and_pushes_none_of_its_own_out(tmp_path):
+    store = spilling(tmp_path, memory=300, disk=10_000)
+    hit = [k(i) for i in range(8)]
+    for key in reversed(hit):                                        # saved last block first, as the connector does
+        store.put(key, block(key[0], 100), 100)
+    store.put(k(b"other"), block(9, 100), 100)
+    assert store.disk_keys() == hit[7:2:-1] + [hit[2]] and store.keys()[-3:] == [hit[1], hit[0], k(b"other")]
+    reads = []
+    read = store._read
+    store._read = lambda key: reads.append(key) or read(key)
+    store.touch(hit)                                                 # memory holds 3: the first 3 there, the rest stay
+    assert store.keys()[-3:] == [hit[2], hit[1], hit[0]] and reads == [hit[2]]
+    assert store.disk_keys()[-6:] == [k(b"other")] + hit[7:2:-1]     # refreshed on disk, the first of them last
+    assert all(store.peek(key) == block(key[0], 100) for key in hit) and sorted(reads) == sorted(hit[2:])
 
 
 def test_blocks_too_large_for_the_disk_are_evicted_and_blocks_too_large_for_memory_refused(tmp_path):

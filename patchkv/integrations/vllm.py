@@ -354,12 +354,13 @@ class PatchKVConnector(KVConnectorBase_V1):
                 self.store.put(job.key, data, len(data))  # the scheduler made room; this is the guard
             self._saved.add(req_id)
         for jobs in meta.load.values():
-            for job in reversed(jobs):  # the first block used last, as the scheduler's touch orders them
+            self.store.touch([job.key for job in jobs])  # as the scheduler's touch: the same tiers on both sides
+            for job in jobs:
                 self._load(job)
         self._dropped.update(self.store.take_evicted())  # what the guard pushed out, or a refused spill file
 
     def _load(self, job: BlockJob) -> None:
-        data = self.store.get(job.key)
+        data = self.store.peek(job.key)
         try:
             if data is None:
                 raise BlockError("the block is not in the store (evicted, or never saved)")
