@@ -124,7 +124,7 @@ class PrefixStore(Generic[Value]):
         return len(self._held) + len(self._spilled)
 
     def keys(self) -> list[bytes]:
-        """Held keys, least recently used first: those on disk, then those in memory."""
+        """Held keys: those on disk, then those in memory, each tier least recently used first."""
         return list(self._spilled) + list(self._held)
 
     def disk_keys(self) -> list[bytes]:
