@@ -23,7 +23,6 @@ unpatched score on the same samples, the KV bytes per token held and the commits
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -31,18 +30,20 @@ import random
 import shlex
 import sys
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from patchkv.provenance import commit, machine
+from patchkv.records import change, markdown, write_csv
 
-from .suite import CONFIGS, SMOLLM2, load_artifacts, load_smollm2
+from .suite import CONFIGS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
+from .suite import config as suite_config
 from .tasks import TASKS, Perplexity, Ruler, wilson_half_width
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "evals" / "results"
-BF16_BYTES = 2 * 30 * 3 * 64 * 2  # SmolLM2: K and V, layers, KV heads, head_dim, 2 bytes
 FIELDS = ["method", "family", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "samples", "score",
           "ci95", "unpatched_score", "protocol", "commit", "command"]
 PROTOCOL = {"ruler": "context compressed after its prefill; question and answer read the cache",
@@ -65,12 +66,6 @@ def append_record(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def family(config: str) -> str:
-    if config in CONFIGS:
-        return CONFIGS[config].extra.get("family", CONFIGS[config].kind)
-    return config.split(" r=")[0]  # kvpress <Press> r=<ratio>
 
 
 def run(args: argparse.Namespace) -> None:
@@ -97,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
                     continue
                 patch = config.patch(artifacts, args.context)
                 cache = config.cache(model) if config.cache else None
-                with patchkv.patched(model, *patch) if patch else _nothing():
+                with patchkv.patched(model, *patch) if patch else nullcontext():
                     if isinstance(task, Ruler):
                         scored = task.run(model, tokenizer, sample, cache)
                     else:
@@ -109,14 +104,6 @@ def run(args: argparse.Namespace) -> None:
                       f"({scored.kv_bytes_per_token:.0f} B/token, {scored.seconds:.1f} s) {scored.prediction[:40]!r}",
                       flush=True)
             write_summary(args.results)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def peers(args: argparse.Namespace) -> None:
@@ -158,8 +145,8 @@ def summarise(records: list[dict], task: str) -> list[dict]:
         same = [base[i] for i in indices if i in base]
         unpatched = aggregate(kind, same)[0] if len(same) == len(indices) else math.nan
         held = sum(got[i]["kv_bytes_per_token"] for i in indices) / len(indices)
-        rows.append({"method": config, "family": family(config), "kv_bytes_per_token": round(held, 1),
-                     "compression_vs_bf16": round(BF16_BYTES / held, 3), "task": task,
+        rows.append({"method": config, "family": suite_config(config).family, "kv_bytes_per_token": round(held, 1),
+                     "compression_vs_bf16": round(sixteen_bit_bytes_per_token() / held, 3), "task": task,
                      "context": records[0]["context"], "samples": len(indices), "score": round(score, 4),
                      "ci95": round(ci, 4), "unpatched_score": round(unpatched, 4), "protocol": PROTOCOL[kind],
                      "commit": " ".join(sorted({got[i]["commit"][:7] for i in indices})),
@@ -194,10 +181,7 @@ def write_summary(results: Path) -> list[dict]:
         rows += summarise(read_records(file), task)
     order = {name: i for i, name in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["task"], int(r["context"]), order.get(r["method"], len(order)), r["method"]))
-    with open(results / "smollm2_accuracy.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(results / "smollm2_accuracy.csv", FIELDS, [[r[f] for f in FIELDS] for r in rows])
     return rows
 
 
@@ -210,7 +194,7 @@ def table(rows: list[dict], tasks: list[str] | None = None) -> str:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cell = {(r["method"], r["task"], int(r["context"])): r for r in rows}
     head = ["method", "KV bytes/token", "vs bf16"] + [f"{t.removeprefix('ruler_')} {c // 1024}k" for t, c in columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for m in methods:
         first = next(r for r in rows if r["method"] == m)
         cells = []
@@ -221,13 +205,13 @@ def table(rows: list[dict], tasks: list[str] | None = None) -> str:
                 continue
             score, ci, base = float(r["score"]), float(r["ci95"]), float(r["unpatched_score"])
             if t.startswith("ppl"):
-                change = "" if math.isnan(base) or m == "unpatched" else f" ({100 * (score / base - 1):+.1f}%)"
-                cells.append(f"{score:.2f}{change} (n={r['samples']})")
+                against = "" if math.isnan(base) or m == "unpatched" else change(score, base)
+                cells.append(f"{score:.2f}{against} (n={r['samples']})")
             else:
                 cells.append(f"{score:.1f}" + ("" if math.isnan(ci) else f" ±{ci:.1f}") + f" (n={r['samples']})")
-        lines.append(f"| {m} | {float(first['kv_bytes_per_token']):.0f} | {float(first['compression_vs_bf16']):.2f}x | "
-                     + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append([m, f"{float(first['kv_bytes_per_token']):.0f}", f"{float(first['compression_vs_bf16']):.2f}x",
+                      *cells])
+    return markdown(head, lines)
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -1,6 +1,6 @@
 """The suite's tasks (registry `TASKS`): what a configuration is scored on, one sample at a time.
 
-A task turns a sample index into a `Scored` record through the configuration's cache:
+A task turns a sample index into an `Outcome` record through the configuration's cache:
 - `Perplexity` (`ppl_prose`, `ppl_shakespeare`, `ppl_milton`): token perplexity of one held-out document, fed 64
   tokens per forward through the cache (`patchkv.perplexity.token_nll`, the function `patchkv report` uses).
 - `Ruler` (`ruler_niah_single_1`, ...): lm-eval's own RULER task. Its prompt is split where the question starts;
@@ -37,7 +37,7 @@ RULER_CACHE = ROOT / ".cache" / "ruler"
 
 
 @dataclass
-class Scored:
+class Outcome:
     """One sample through one configuration: `score` (RULER: in [0, 1]; perplexity: the NLL sum in nats over
     `count` tokens), the cache's bytes per token after it, the answer decoded (RULER) and seconds taken."""
 
@@ -65,13 +65,13 @@ class Perplexity:
     def available(self, context: int) -> int:
         return len(self.documents())
 
-    def run(self, model: nn.Module, tokenizer: Any, index: int, context: int, cache: Any) -> Scored:
+    def run(self, model: nn.Module, tokenizer: Any, index: int, context: int, cache: Any) -> Outcome:
         ids = tokenizer(self.documents()[index], add_special_tokens=False)["input_ids"]
         start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         ids = torch.tensor([(start + ids)[:context]])
         began = time.perf_counter()
         scored = token_nll(model, ids, self.chunk, cache)
-        return Scored(index, scored.nll, scored.count, cache_nbytes(scored.cache) / ids.shape[1],
+        return Outcome(index, scored.nll, scored.count, cache_nbytes(scored.cache) / ids.shape[1],
                       time.perf_counter() - began)
 
 
@@ -104,7 +104,7 @@ class Ruler:
         return len(path.read_text().splitlines()) if path.is_file() else 0
 
     @torch.no_grad()
-    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any) -> Scored:
+    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any) -> Outcome:
         device = next(model.parameters()).device
         began = time.perf_counter()
         context = torch.tensor([sample["context_ids"]], device=device)
@@ -114,7 +114,7 @@ class Ruler:
         logits = model(input_ids=question, cache=cache, use_cache=True).logits[:, -1]
         held = cache_nbytes(cache) / (context.shape[1] + question.shape[1])
         answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
-        return Scored(sample["index"], ruler_score(sample, answer), 1, held, time.perf_counter() - began, answer)
+        return Outcome(sample["index"], ruler_score(sample, answer), 1, held, time.perf_counter() - began, answer)
 
 
 @torch.no_grad()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,10 +11,12 @@ from typing import Any
 import yaml
 from torch import nn
 
+from . import records
 from .allocation import full_kv_bytes_per_token
 from .artifact import Artifact
 from .methods import Method
 from .patching import patched
+from .records import change, difference, markdown
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 #: task -> (metric reported in tables, True if higher is better)
@@ -134,7 +135,7 @@ def format_table(rows: list[EvalRow]) -> str:
     tasks = list(base)
     head = ["config", "mode", "budget", "KV bytes/token", "compression"]
     head += [f"{t.removeprefix('patchkv_')} ({HEADLINE.get(t, ('score',))[0]})" for t in tasks]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for row in rows:
         cells = [row.label, row.mode, row.budget, str(row.kv_bytes_per_token), f"{row.compression:.2f}x"]
         for t in tasks:
@@ -143,24 +144,22 @@ def format_table(rows: list[EvalRow]) -> str:
             if row is rows[0]:
                 delta = ""
             elif higher_is_better:  # accuracies: absolute difference
-                delta = f" ({value - base[t]:+.3f})"
+                delta = difference(value, base[t])
             else:  # perplexities: relative change
-                delta = f" ({100 * (value / base[t] - 1):+.2f}%)"
+                delta = change(value, base[t], 2)
             cells.append(f"{value:.4f}{delta}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown(head, lines)
 
 
 def write_csv(rows: list[EvalRow], path: str | Path) -> None:
+    """One line per configuration: its bytes, compression, each task's score and its difference from the baseline."""
     tasks = list(rows[0].scores)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["config", "mode", "budget", "kv_bytes_per_token", "compression", *tasks,
-                    *[f"delta_{t}" for t in tasks]])
-        for row in rows:
-            w.writerow([row.label, row.mode, row.budget, row.kv_bytes_per_token, f"{row.compression:.4f}",
+    records.write_csv(Path(path), ["config", "mode", "budget", "kv_bytes_per_token", "compression", *tasks,
+                                   *[f"delta_{t}" for t in tasks]],
+                      [[row.label, row.mode, row.budget, row.kv_bytes_per_token, f"{row.compression:.4f}",
                         *[f"{row.scores[t]:.6f}" for t in tasks],
-                        *[f"{row.scores[t] - rows[0].scores[t]:.6f}" for t in tasks]])
+                        *[f"{row.scores[t] - rows[0].scores[t]:.6f}" for t in tasks]] for row in rows])
 
 
 def plot(rows: list[EvalRow], path: str | Path) -> None:

@@ -17,11 +17,13 @@ from torch import nn
 
 @dataclass
 class Scored:
-    """What `token_nll` measured: the sum of next-token negative log-likelihoods (nats) over `count` tokens, the
-    cache holding the text, and the logits after its last token `[batch, vocab]` (to continue from)."""
+    """What `token_nll` measured: the sum of next-token negative log-likelihoods (nats) over `count` tokens, whether
+    each of them was the greedy choice, the cache holding the text, and the logits after its last token
+    `[batch, vocab]` (to continue from)."""
 
     nll: float
     count: int
+    greedy: bool
     cache: Any
     last_logits: torch.Tensor
 
@@ -31,27 +33,31 @@ class Scored:
 
 
 @torch.no_grad()
-def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None,
+def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None, prompt: int = 0,
               targets: torch.Tensor | None = None) -> Scored:
-    """Score `input_ids` `[batch, seq]` fed `chunk` tokens per forward through `cache` (None: the model's own, a
-    `LatentCache` when patched); the cache is left holding the text. `targets` `[batch, seq]`: where each token's
-    logit is read (default `input_ids`; for a model whose head scores a restricted vocabulary, the tokens' indices
-    in it)."""
+    """Score `input_ids` `[batch, seq]` fed through `cache` (None: the model's own, a `LatentCache` when patched),
+    the cache left holding them: the first `prompt` tokens in one forward and only the tokens after them scored (a
+    prompt reads itself exact, as in generation), then `chunk` tokens per forward; `prompt` 0: every token from the
+    second on scored, the first forward `chunk` tokens too. `targets` `[batch, seq]`: where each token's logit is
+    read (default `input_ids`; for a model whose head scores a restricted vocabulary, the tokens' indices in it)."""
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     targets_at = ids if targets is None else targets.to(device)
-    total, count, logits = 0.0, 0, None
-    for start in range(0, ids.shape[1], chunk):
-        step = ids[:, start:start + chunk]
+    total, count, greedy, logits, start = 0.0, 0, True, None, 0
+    while start < ids.shape[1]:
+        step = ids[:, start:start + (prompt or chunk if start == 0 else chunk)]
         out = model(input_ids=step, cache=cache, use_cache=True)
         cache = out.cache if cache is None else cache
-        targets = targets_at[:, start + 1:start + 1 + step.shape[1]]
+        skip = max(0, prompt - 1 - start)  # predictions of prompt tokens
+        targets = targets_at[:, start + 1 + skip:start + 1 + step.shape[1]]
         logits = out.logits[:, -1].float()
         if targets.shape[1]:
-            logprobs = out.logits[:, : targets.shape[1]].float().log_softmax(-1)
+            logprobs = out.logits[:, skip:skip + targets.shape[1]].float().log_softmax(-1)
             total -= logprobs.gather(-1, targets.unsqueeze(-1)).sum().item()
+            greedy = greedy and bool((logprobs.argmax(-1) == targets).all())
             count += targets.numel()
-    return Scored(total, count, cache, logits)
+        start += step.shape[1]
+    return Scored(total, count, greedy, cache, logits)
 
 
 def token_perplexity(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None) -> float:

@@ -18,10 +18,10 @@ those rows say so, where patchkv runs.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .allocation import step_scales_for
 from .artifact import Artifact
 from .budgets import Budget, sixteen_bit_bytes
+from .configs import Config, budget, quantized_cache, unpatched
 from .memory import cache_nbytes
-from .methods import Quantized
 from .patching import patched
 from .perplexity import token_nll
+from .records import change, markdown, write_csv
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "\n\nWhat is the special magic number mentioned in the text above? The special magic number is"
@@ -46,6 +46,7 @@ class Row:
     """One configuration's results."""
 
     name: str
+    family: str
     bytes_per_token: float = math.nan
     compression: float = math.nan
     perplexity: dict[str, float] = field(default_factory=dict)
@@ -123,30 +124,10 @@ def _haystack(tokenizer: Any, text: str, context: int, depth: float, number: int
     return torch.tensor([start + hay[:at] + needle + hay[at:] + question])
 
 
-def _configs(model: nn.Module, artifact: Artifact, budgets: list[Budget], context: int, quantized_cache: bool):
-    """[(name, patch (artifact, methods) or None, cache factory or None, note)]."""
-    out: list[tuple[str, Any, Any, str]] = [("unpatched", None, None, "")]
-    if quantized_cache:
-        for nbits in (4, 2):
-            note, factory = "", None
-            try:
-                from transformers import QuantizedCache
-
-                QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64, residual_length=128)
-
-                def factory(nbits=nbits):
-                    return QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=64,
-                                          residual_length=128)
-            except (ImportError, ValueError, TypeError, NotImplementedError) as e:
-                note = f"not run: {' '.join(str(e).split())[:140]}"
-            out.append((f"QuantizedCache quanto int{nbits}", None, factory, note))
-    for budget in budgets:
-        methods = budget.methods(artifact, context)
-        codes = next(m for m in methods if isinstance(m, Quantized))
-        scaled = step_scales_for(artifact, codes.bits, codes.pool) is not None
-        out.append((f"patchkv {budget}", (artifact, methods),
-                    None, " + ".join(m.spec() for m in methods) + ("" if scaled else " (no step scales for this budget)")))
-    return out
+def configs(budgets: list[Budget], quantized: bool = True) -> list[Config]:
+    """The report's configurations: unpatched, `QuantizedCache` quanto int4 and int2 (unless not `quantized`), then
+    patchkv at each of `budgets`."""
+    return [unpatched(), *([quantized_cache(4), quantized_cache(2)] if quantized else []), *map(budget, budgets)]
 
 
 def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tuple[str, str]], *, budgets: list[Budget],
@@ -156,15 +137,20 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
     rng = random.Random(seed)
     numbers = [rng.randrange(1_000_000, 9_999_999) for _ in depths]
     encoded = [(name, _ids(tokenizer, name, text, context)) for name, text in texts]
+    planned = [(c, c.patch(artifact, context)) for c in configs(budgets, quantized_cache)]  # a budget refused first
     rows = []
-    for name, patch, factory, note in _configs(model, artifact, budgets, context, quantized_cache):
-        row = Row(name, note=note)
+    for config, patch in planned:
+        name = config.name
+        note = config.unavailable(model) or (config.spec(artifact, context) if patch else "")
+        row = Row(name, config.family, note=note)
         rows.append(row)
-        if note.startswith("not run"):
-            progress(f"{name}: {note}")
+        if row.note.startswith("not run"):
+            progress(f"{name}: {row.note}")
             continue
-        with patched(model, *patch) if patch else _Nothing():
-            new_cache = factory if factory is not None else (lambda: None)
+        with patched(model, *patch) if patch else nullcontext():
+            def new_cache() -> Any:
+                return config.cache(model) if config.cache else None
+
             for label, ids in encoded:
                 scored = token_nll(model, ids, chunk, new_cache())
                 row.perplexity[label] = scored.perplexity
@@ -183,31 +169,21 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
     return rows
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def table(rows: list[Row]) -> str:
     """Markdown: a line per configuration, perplexity changes against unpatched."""
     texts = list(rows[0].perplexity)
     base = rows[0].perplexity
     head = ["configuration", "KV bytes/token", "vs 16-bit", *[f"{t} ppl" for t in texts], "needle", "continuation"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         if not r.perplexity:
-            lines.append(f"| {r.name} | — | — | " + " | ".join("—" for _ in texts) + f" | — | {r.note} |")
+            lines.append([r.name, "—", "—", *("—" for _ in texts), "—", r.note])
             continue
         cells = [r.name, f"{r.bytes_per_token:.0f}", f"{r.compression:.2f}x"]
-        for t in texts:
-            change = "" if r is rows[0] else f" ({100 * (r.perplexity[t] / base[t] - 1):+.1f}%)"
-            cells.append(f"{r.perplexity[t]:.3f}{change}")
+        cells += [f"{r.perplexity[t]:.3f}" + ("" if r is rows[0] else change(r.perplexity[t], base[t])) for t in texts]
         cells += [f"{r.needle[0]}/{r.needle[1]}", r.continuation.replace("\n", " ").replace("|", "/")[:80]]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown(head, lines)
 
 
 def write(rows: list[Row], out: Path, meta: dict[str, Any]) -> list[Path]:
@@ -216,14 +192,10 @@ def write(rows: list[Row], out: Path, meta: dict[str, Any]) -> list[Path]:
     md = out / "report.md"
     md.write_text("# patchkv report\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(rows)
                   + "\n\n" + "\n".join(f"- {r.name}: {r.note}" for r in rows if r.note) + "\n")
-    with open(out / "report.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["configuration", "kv_bytes_per_token", "compression", "text", "perplexity", "needle_found",
-                    "needle_tried", "note"])
-        for r in rows:
-            for t, ppl in (r.perplexity or {"": math.nan}).items():
-                w.writerow([r.name, round(r.bytes_per_token, 1), round(r.compression, 3), t, round(ppl, 4),
-                            r.needle[0], r.needle[1], r.note])
+    write_csv(out / "report.csv", ["configuration", "kv_bytes_per_token", "compression", "text", "perplexity",
+                                   "needle_found", "needle_tried", "note"],
+              [[r.name, round(r.bytes_per_token, 1), round(r.compression, 3), t, round(ppl, 4), r.needle[0],
+                r.needle[1], r.note] for r in rows for t, ppl in (r.perplexity or {"": math.nan}).items()])
     files = [md, out / "report.csv"]
     try:
         import matplotlib

@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .memory import cache_nbytes
+from .perplexity import token_nll
 
 #: tokens per forward for an unpatched model (its own DynamicCache is exact at any chunk)
 UNPATCHED_CHUNK = 512
@@ -70,31 +71,17 @@ class StreamingLM(LM):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    @torch.no_grad()
     def score(self, prefix: list[int], targets: list[int]) -> tuple[float, bool]:
-        """Prefill `prefix` in one forward (its tokens read exact, as a prompt's are), then feed `targets` `chunk`
-        tokens at a time through the cache. Returns (sum of log-probs of the targets, whether each was the
-        greedy choice)."""
+        """Prefill `prefix` in one forward (its tokens read exact, as a prompt's are), then feed `targets` but the last
+        `chunk` tokens at a time through the cache (`patchkv.perplexity.token_nll`). Returns (sum of log-probs of the
+        targets, whether each was the greedy choice)."""
         chunk = self.chunk or default_chunk(self.model)
-        cache = self.cache_factory()
-        device = next(self.model.parameters()).device
-        out = self.model(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True)
-        logits, cache = out.logits[0, -1:], out.cache  # [n, vocab]: predictions for the next n targets
-        total, greedy, done = 0.0, True, 0
-        while True:
-            logprobs = logits.float().log_softmax(-1)
-            wanted = torch.tensor(targets[done:done + len(logprobs)], device=logprobs.device)
-            total += logprobs.gather(1, wanted.unsqueeze(1)).sum().item()
-            greedy = greedy and bool((logprobs.argmax(-1) == wanted).all())
-            done += len(wanted)
-            if done >= len(targets):
-                break
-            step = torch.tensor([targets[done - 1:min(done - 1 + chunk, len(targets) - 1)]], device=device)
-            out = self.model(input_ids=step, cache=cache, use_cache=True)
-            logits, cache = out.logits[0], out.cache
-        self.bytes_held += cache_nbytes(cache)
-        self.tokens_held += cache.get_seq_length()
-        return total, greedy
+        scored = token_nll(self.model, torch.tensor([prefix + targets[:-1]]), chunk, self.cache_factory(),
+                           prompt=len(prefix))
+        last = scored.last_logits[0].log_softmax(-1)  # the prediction of the last target
+        self.bytes_held += cache_nbytes(scored.cache)
+        self.tokens_held += scored.cache.get_seq_length()
+        return -scored.nll + last[targets[-1]].item(), scored.greedy and int(last.argmax()) == targets[-1]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         out = []
