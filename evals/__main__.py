@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from patchkv.provenance import commit, machine
-from patchkv.records import change, markdown, write_csv
+from patchkv.records import Point, change, markdown, write_csv
+from patchkv.records import plot as records_plot
 
 from .suite import CONFIGS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
 from .suite import config as suite_config
@@ -217,32 +218,15 @@ def table(rows: list[dict], tasks: list[str] | None = None) -> str:
 def plot(rows: list[dict], path: Path) -> Path:
     """Score vs KV bytes per token, one panel per task x context, one curve per method family (patchkv's
     budgets joined by a line; each kvpress press its own curve over its ratios), 95% intervals as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(r["task"], int(r["context"])) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (task, context) in zip(axes[0], panels):
-        here = [r for r in rows if r["task"] == task and int(r["context"]) == context]
-        for fam in dict.fromkeys(r["family"] for r in here):
-            pts = sorted((float(r["kv_bytes_per_token"]), float(r["score"]), float(r["ci95"]), r["method"])
-                         for r in here if r["family"] == fam)
-            xs, ys, es, names = zip(*pts)
-            ax.errorbar(xs, ys, yerr=[0 if math.isnan(e) else e for e in es], marker="o", capsize=3,
-                        linestyle="-" if len(pts) > 1 else "none", label=fam)
-            for x, y, name in zip(xs, ys, names):
-                ax.annotate(name.removeprefix("kvpress "), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("KV bytes per token (log)")
-        ax.set_ylabel("perplexity" if task.startswith("ppl") else "score (0-100)")
-        ax.set_title(f"{task} @ {context} (n = {min(int(r['samples']) for r in here)}+)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    rows = sorted(rows, key=lambda r: (r["task"], int(r["context"])))  # panels in this order
+    panels = {(r["task"], int(r["context"])): f"{r['task']} @ {r['context']}" for r in rows}
+    points = [Point(panels[r["task"], int(r["context"])], r["family"], float(r["kv_bytes_per_token"]), float(r["score"]),
+                    r["method"].removeprefix("kvpress "), 0 if math.isnan(float(r["ci95"])) else float(r["ci95"]))
+              for r in rows]
+    titles = {name: f"{name} (n = {min(int(r['samples']) for r in rows if (r['task'], int(r['context'])) == key)}+)"
+              for key, name in panels.items()}
+    ylabels = {name: "perplexity" if task.startswith("ppl") else "score (0-100)" for (task, _), name in panels.items()}
+    return records_plot(points, path, xlabel="KV bytes per token", ylabel=ylabels, titles=titles) or path
 
 
 BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",

@@ -164,24 +164,12 @@ def write_csv(rows: list[EvalRow], path: str | Path) -> None:
 
 def plot(rows: list[EvalRow], path: str | Path) -> None:
     """Each task's score vs compression ratio, one line per mode, the baseline as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = list(rows[0].scores)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        for mode, marker in (("pre_rope", "o"), ("post_rope", "s")):
-            pts = sorted((r.compression, r.scores[task]) for r in rows[1:] if r.mode == mode)
-            if pts:
-                ax.plot(*zip(*pts), marker=marker, label=mode.replace("_", "-"))
-        ax.axhline(rows[0].scores[task], color="gray", linestyle="--", label="unpatched")
-        metric, higher = HEADLINE.get(task, ("score", True))
-        ax.set_title(task.removeprefix("patchkv_"))
-        ax.set_xlabel("KV compression (x)")
-        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    points = [records.Point(t, r.mode.replace("_", "-"), r.compression, r.scores[t], r.budget)
+              for r in rows[1:] for t in tasks]
+    titles = {}
+    for t in tasks:
+        metric, higher = HEADLINE.get(t, ("score", True))
+        titles[t] = f"{t.removeprefix('patchkv_')}: {metric} ({'higher' if higher else 'lower'} is better)"
+    records.plot(points, Path(path), xlabel="KV compression (x)", ylabel="score", baselines=rows[0].scores,
+                 titles=titles)

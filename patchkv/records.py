@@ -1,11 +1,14 @@
 """Results as a reader sees them, one way for every measurement (`patchkv report`, `patchkv eval`, `python -m evals`):
-a markdown table, a CSV, and changes against a baseline written alike.
+a markdown table, a CSV, changes against a baseline written alike, and a plot of points in panels with one line per
+method family, a log axis where the values span a decade or more, and labels moved apart so none covers another.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +37,103 @@ def write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) 
         writer.writerow(header)
         writer.writerows(rows)
     return Path(path)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration's value in one panel: `family` names its line, `label` is written beside it, `error` is the
+    half-width of its interval (0: none)."""
+
+    panel: str
+    family: str
+    x: float
+    y: float
+    label: str = ""
+    error: float = 0.0
+
+
+#: a span of values (largest over smallest) from which an axis is drawn logarithmic
+LOG_SPAN = 10.0
+FONT = 7
+
+
+def spans_decades(values: Iterable[float]) -> bool:
+    """Whether positive `values` span `LOG_SPAN` or more (and so read better on a log axis)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return bool(finite) and min(finite) > 0 and max(finite) / min(finite) >= LOG_SPAN
+
+
+def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapping[str, str],
+         baselines: Mapping[str, float] | None = None, titles: Mapping[str, str] | None = None) -> Path | None:
+    """One panel per `panel` (in order of appearance), one line per family joining its points by x, each point
+    labelled; a dashed line at each panel's unpatched baseline (`baselines`); `ylabel` one for all panels or one per
+    panel. Written to `path` (PNG); None, with nothing written, where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    except ImportError:
+        return None
+    panels = list(dict.fromkeys(p.panel for p in points))
+    ylabels = {panel: ylabel if isinstance(ylabel, str) else ylabel[panel] for panel in panels}
+    base = dict(baselines or {})
+    # one scale per quantity: x over every panel, y over the panels of one label
+    xlog = spans_decades(p.x for p in points)
+    ylog = {label: spans_decades([p.y for p in points if ylabels[p.panel] == label]
+                                 + [v for panel, v in base.items() if ylabels.get(panel) == label])
+            for label in set(ylabels.values())}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        here = [p for p in points if p.panel == panel]
+        for family in dict.fromkeys(p.family for p in here):
+            line = sorted((p for p in here if p.family == family), key=lambda p: p.x)
+            ax.errorbar([p.x for p in line], [p.y for p in line], yerr=[p.error for p in line], marker="o",
+                        capsize=3 if any(p.error for p in line) else 0, linestyle="-" if len(line) > 1 else "none",
+                        label=family)
+        if panel in base:
+            ax.axhline(base[panel], color="gray", linestyle="--", label="unpatched")
+        ax.set_xscale("log" if xlog else "linear")
+        ax.set_yscale("log" if ylog[ylabels[panel]] else "linear")
+        for axis, log in ((ax.xaxis, xlog), (ax.yaxis, ylog[ylabels[panel]])):
+            if log:  # ticks at 1, 2, 5 of each decade, written plainly
+                axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+                axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                axis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(xlabel + (" (log)" if xlog else ""))
+        ax.set_ylabel(ylabels[panel] + (" (log)" if ylog[ylabels[panel]] else ""))
+        ax.set_title((titles or {}).get(panel, panel))
+        ax.legend(fontsize=FONT)
+        ax.figure.canvas.draw()  # the scales and limits the labels are placed by
+        _label(ax, here)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def _label(ax: Any, points: Sequence[Point]) -> None:
+    """Write each point's label beside it: above right where that covers neither the legend nor a label already
+    placed, else the first free place among below right, above left, below left, then further above or below (with a
+    leader line); where none is free within the panel, the place covering the fewest. Measured on the drawn figure."""
+    from matplotlib.text import Text
+
+    renderer = ax.figure.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    placed = [ax.get_legend().get_window_extent(renderer)]
+    for p in sorted((p for p in points if p.label), key=lambda p: (p.y, p.x)):
+        note = ax.annotate(p.label, (p.x, p.y), xytext=(0, 0), textcoords="offset points", fontsize=FONT)
+        note.update_positions(renderer)
+        box = Text.get_window_extent(note, renderer)  # the text alone, without a leader line; pixels
+        w, h, gap = box.width, box.height, 3 * ax.figure.dpi / 72
+        near = [(gap, gap), (gap, -gap - h), (-gap - w, gap), (-gap - w, -gap - h)]
+        far = [(gap, sign * (gap + k * h)) for k in range(1, 6) for sign in (1, -1)]
+        spots = [(dx, dy, box.translated(dx, dy)) for dx, dy in near + far]
+        free = [s for s in spots if inside.contains(s[2].x0, s[2].y0) and inside.contains(s[2].x1, s[2].y1)]
+        dx, dy, spot = min(free or spots, key=lambda s: sum(s[2].overlaps(other) for other in placed))
+        note.remove()
+        leader = {"arrowstyle": "-", "color": "gray", "lw": 0.5} if (dx, dy) not in near else None
+        ax.annotate(p.label, (p.x, p.y), xytext=(dx * 72 / ax.figure.dpi, dy * 72 / ax.figure.dpi),
+                    textcoords="offset points", fontsize=FONT, arrowprops=leader)
+        placed.append(spot)

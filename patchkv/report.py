@@ -35,7 +35,7 @@ from .configs import Config, budget, quantized_cache, unpatched
 from .memory import cache_nbytes
 from .patching import patched
 from .perplexity import token_nll
-from .records import change, markdown, write_csv
+from .records import Point, change, markdown, plot, write_csv
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "\n\nWhat is the special magic number mentioned in the text above? The special magic number is"
@@ -196,26 +196,14 @@ def write(rows: list[Row], out: Path, meta: dict[str, Any]) -> list[Path]:
                                    "needle_found", "needle_tried", "note"],
               [[r.name, round(r.bytes_per_token, 1), round(r.compression, 3), t, round(ppl, 4), r.needle[0],
                 r.needle[1], r.note] for r in rows for t, ppl in (r.perplexity or {"": math.nan}).items()])
-    files = [md, out / "report.csv"]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return files
-    fig, ax = plt.subplots(figsize=(6, 4))
     base = rows[0].perplexity
-    for t in base:
-        pts = [(r.compression, 100 * (r.perplexity[t] / base[t] - 1), r.name) for r in rows[1:] if t in r.perplexity]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="none", label=t)
-        for x, y, name in pts:
-            ax.annotate(name.replace("QuantizedCache ", "QC "), (x, y), fontsize=6)
-    ax.axhline(0, color="gray", linestyle="--")
-    ax.set_xlabel("KV compression vs 16-bit cache (x)")
-    ax.set_ylabel("perplexity change vs unpatched (%)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "report.png", dpi=110)
-    plt.close(fig)
-    return files + [out / "report.png"]
+    points = [Point(t, r.family, r.compression, r.perplexity[t], _short(r.name) + change(r.perplexity[t], base[t]))
+              for r in rows[1:] for t in base if t in r.perplexity]
+    png = plot(points, out / "report.png", xlabel="KV compression vs 16-bit cache (x)", ylabel="token perplexity",
+               baselines=base)
+    return [md, out / "report.csv", *([png] if png else [])]
+
+
+def _short(name: str) -> str:
+    """A configuration's name as a plot label: "quanto int2", "8x"."""
+    return name.removeprefix("patchkv ").replace("QuantizedCache ", "")

@@ -1,0 +1,67 @@
+"""The measurement stack's shared pieces: the configurations (`patchkv.configs`) and how results are shown
+(`patchkv.records`): tables, changes against a baseline, and plots a reader can read."""
+
+import pytest
+
+from patchkv import configs, records
+from patchkv.budgets import Budget
+
+
+def test_a_markdown_table_and_changes():
+    assert records.markdown(["a", "b"], [[1, "x"], ["y", 2.5]]) == "| a | b |\n|---|---|\n| 1 | x |\n| y | 2.5 |"
+    assert records.change(12.179, 11.855) == " (+2.7%)"
+    assert records.change(9.0, 10.0, 2) == " (-10.00%)"
+    assert records.difference(0.5, 0.625) == " (-0.125)"
+
+
+def test_configurations_name_their_kind_and_family():
+    assert (configs.unpatched().kind, configs.unpatched().patch({}, 4096)) == ("unpatched", None)
+    quanto = configs.quantized_cache(2)
+    assert (quanto.name, quanto.kind, quanto.family) == ("QuantizedCache quanto int2", "quantized_cache", "quantized_cache")
+    coded = configs.budget(Budget(ratio=8), mode="post_rope")
+    assert (coded.name, coded.kind) == ("patchkv 8x", "patchkv")
+    with pytest.raises(ValueError, match="needs a post_rope artifact"):
+        coded.patch({"pre_rope": None}, 4096)
+    with pytest.raises(ValueError, match="no patchkv methods"):
+        quanto.methods(None, 4096)
+    assert configs.peer("kvpress KVzipPress r=0.9375").family == "kvpress KVzipPress"
+
+
+def test_the_suite_builds_its_configurations_with_the_library():
+    from evals.suite import CONFIGS, config
+
+    assert CONFIGS["quanto-int4"].note == configs.quantized_cache(4).note
+    assert (CONFIGS["8x"].budget, CONFIGS["8x-layer"].family) == (Budget(ratio=8, pool="global"), "patchkv-layer")
+    assert config("kvpress SnapKVPress r=0.5").kind == "peer"
+
+
+def test_an_axis_is_logarithmic_only_where_values_span_a_decade():
+    assert records.spans_decades([11.9, 169.7])
+    assert not records.spans_decades([11.9, 65.2])
+    assert not records.spans_decades([0.0, 99.0])  # a score of 0 has no place on a log axis
+
+
+def test_a_plot_draws_a_line_per_family_and_labels_that_do_not_overlap(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    # quanto int2 far above: the rest sit within a few percent of each other, where labels would pile up
+    values = {("quantized_cache", 3.4): 12.1, ("quantized_cache", 5.9): 169.7, ("patchkv", 4.0): 11.9,
+              ("patchkv", 4.1): 11.95, ("patchkv", 8.1): 12.2, ("patchkv", 16.1): 14.0}
+    points = [records.Point("prose", family, x, y, f"{family} at {x}") for (family, x), y in values.items()]
+    path = records.plot(points, tmp_path / "p.png", xlabel="compression", ylabel="perplexity",
+                        baselines={"prose": 11.855})
+    assert path.is_file()
+    ax = figures[0].axes[0]
+    assert ax.get_yscale() == "log" and ax.get_xscale() == "linear"
+    assert sorted(text.get_text() for text in ax.get_legend().get_texts()) == ["patchkv", "quantized_cache",
+                                                                                "unpatched"]
+    renderer = figures[0].canvas.get_renderer()
+    for text in ax.texts:
+        text.update_positions(renderer)
+    boxes = [Text.get_window_extent(text, renderer) for text in ax.texts]  # the text alone, not its leader line
+    assert len(boxes) == len(points)
+    assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
