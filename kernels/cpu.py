@@ -42,7 +42,7 @@ def enabled() -> bool:
 
 @functools.cache
 def extension() -> ModuleType | None:
-    """The built module (`unpack`, `reconstruct`, `scores`, `attend`, `encode`), or None (disabled, or the build
+    """The built module (`unpack`, `reconstruct`, `attend`, `encode`), or None (disabled, or the build
     failed: a warning says why, once)."""
     if not enabled():
         return None

@@ -15,7 +15,7 @@
 // Work is done per block of tokens and head: the block's coefficients are unpacked into a small buffer, then
 // vectors are rebuilt a few tokens at a time in registers (each basis row loaded once per few tokens), then
 // rotated (rotate-half RoPE over the first `rot` dims, cos/sin rows gathered by true position) and consumed:
-// dotted with the queries (`scores`) or stored (`reconstruct`). Vector code uses GCC vector extensions, so the
+// dotted with the queries (`attend`) or stored (`reconstruct`). Vector code uses GCC vector extensions, so the
 // same source builds for AVX-512, AVX2 or plain SSE; gathers use AVX-512 / AVX2 intrinsics where present.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -518,38 +518,6 @@ torch::Tensor reconstruct(torch::Tensor latents, torch::Tensor head_start, torch
   return out;
 }
 
-// ----- scores: queries q [B, H, G, D] against every stored token -> [B, H, G, N] float32 -----------------------
-// Each key is rebuilt (and rotated by its position if rope is given) and dotted with the G queries of its head.
-torch::Tensor scores(torch::Tensor latents, torch::Tensor head_start, torch::Tensor byte, torch::Tensor shift,
-                     torch::Tensor mask, torch::Tensor step, torch::Tensor offset, torch::Tensor wide,
-                     torch::Tensor rows, torch::Tensor mean, torch::Tensor cos, torch::Tensor sin,
-                     torch::Tensor positions, int64_t rot, torch::Tensor q, bool half) {
-  check_latents(latents);
-  const Table t = make_table(head_start, byte, shift, mask, step, offset, wide);
-  check_basis(rows, mean, t);
-  const Rope rope = make_rope(cos, sin, positions, rot);
-  const int64_t B = latents.size(0), N = latents.size(1), W = latents.size(2), H = t.heads, D = rows.size(1);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4 && q.size(0) == B &&
-              q.size(1) == H && q.size(3) == D, "q: float32 contiguous [B, H, G, head_dim]");
-  const int64_t G = q.size(2);
-  auto out = torch::empty({B, H, G, N}, torch::kFloat32);
-  float* o = out.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
-  dispatch_latents(latents, [&](auto* src) {
-    const Rebuilder rebuild(t, rows.data_ptr<float>(), mean.data_ptr<float>(), D, half);
-    for_each_block(src, B, N, W, t, rebuild, D, rope,
-                   [&](int64_t b, int64_t h, int64_t n0, int64_t count, const float* keys, const auto*,
-                       const uint8_t*) {
-                     for (int64_t g = 0; g < G; ++g) {
-                       const float* qg = qp + ((b * H + h) * G + g) * D;
-                       float* dst = o + ((b * H + h) * G + g) * N + n0;
-                       for (int64_t j = 0; j < count; ++j) dst[j] = dot(qg, keys + j * D, D);
-                     }
-                   });
-  });
-  return out;
-}
-
 // ----- attend: one decode step's attention over the middle, in one pass over its codes -------------------------
 // Scores of the G queries of each head against every stored token (keys rebuilt and rotated, or in the latent
 // space: q [B, H, G, C_h] in table order plus q_bias [B, H, G]), times `scaling`, plus `bias` [B, N] or per head
@@ -723,7 +691,6 @@ torch::Tensor encode(torch::Tensor coeffs, torch::Tensor head_start, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack", &unpack, "stored latents -> coefficients [B, H, N, C_h] in table order");
   m.def("reconstruct", &reconstruct, "stored latents -> vectors [B, H, N, D], rotated by position if rope is given");
-  m.def("scores", &scores, "queries [B, H, G, D] against every stored token -> [B, H, G, N]");
   m.def("attend", &attend, "one decode step over the stored middle: running max, sum and value sums");
   m.def("encode", &encode, "coefficients [B, H, N, R] -> fixed-rate codes [B, N, W]");
 }

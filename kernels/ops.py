@@ -106,21 +106,6 @@ def reconstruct(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor
 
 
 @_labelled
-def scores(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
-           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, q: torch.Tensor,
-           half: bool = False) -> torch.Tensor:
-    """float32 q `[batch, heads, groups, head_dim]` against every stored token (keys rebuilt, rotated when `rope`
-    is given) -> float32 `[batch, heads, groups, tokens]`; see `reference.scores`."""
-    ext = _cpu_for(latents, rows, mean)
-    cos, sin, positions, rot = _rope_args(rope, latents)
-    q = q.float().contiguous()
-    if ext is None:
-        return reference.scores(latents, table, rows, mean, cos if rope else None, sin if rope else None,
-                                positions if rope else None, rot, q, _coeffs(latents, table))
-    return ext.scores(latents.contiguous(), *table.kernel_args(), rows, mean, cos, sin, positions, rot, q, half)
-
-
-@_labelled
 def attend(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mean: torch.Tensor,
            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, q: torch.Tensor,
            q_bias: torch.Tensor | None, bias: torch.Tensor | None, scaling: float, value_latents: torch.Tensor,
@@ -154,4 +139,4 @@ def encode(coeffs: torch.Tensor, table: ComponentTable, components: torch.Tensor
 
 
 __all__ = ["ComponentTable", "attend", "chunked_latent_scores", "encode", "latent_scores", "reconstruct", "reference",
-           "scores", "unpack"]
+           "unpack"]

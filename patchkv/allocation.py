@@ -1,4 +1,4 @@
-"""Effect-weighted transform coding: weighted PCA and one global bit pool over every coded component.
+"""Effect-weighted transform coding: one global bit pool over every coded component.
 
 The error that matters for a cached key or value is not its squared error but its effect on what the model
 computes. With a positive semi-definite weight `W` per vector space (for example the Fisher matrix
@@ -48,19 +48,13 @@ def marginal_gains(eigenvalues: torch.Tensor, max_bits: int = MAX_BITS) -> torch
     return eigenvalues.double().clamp_min(0)[:, None] * (mse[:-1] - mse[1:])[None, :]
 
 
-def expected_distortion(eigenvalues: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """sum_c lam_c * GAUSSIAN_MSE[bits_c] (float64 scalar). eigenvalues, bits: `[n]`."""
-    mse = torch.tensor(GAUSSIAN_MSE, dtype=torch.float64)
-    return (eigenvalues.double().clamp_min(0) * mse[bits.long()]).sum()
-
-
 def allocate_bits_global(eigenvalues: torch.Tensor, budget: int, max_bits: int = MAX_BITS,
                          prices: torch.Tensor | None = None) -> torch.Tensor:
     """Bits per component minimising sum_c eigenvalues[c] * GAUSSIAN_MSE[b_c] subject to sum_c b_c <= budget
     (with `prices`: sum_c prices[c] * b_c <= budget).
 
     eigenvalues: `[n]` cost-variances of every component in the pool (all layers, heads, keys and values
-    concatenated; they must share one unit, e.g. from `weighted_pca` with effect weights). budget: total
+    concatenated; they must share one unit, e.g. nats from effect weights, `cost_variances`). budget: total
     bits (0 <= budget; at most n * max_bits are used). prices: `[n]` > 0, what a bit of each component costs
     (a component of a layer that holds fewer tokens costs less, `layer_prices`); None: 1 each. Returns int64
     `[n]`. The bits of the largest marginal gains per price (ties broken towards the lower index, then fewer
@@ -93,33 +87,6 @@ def allocate_bits_grouped(eigenvalues: list[torch.Tensor], budget: int, max_bits
     each = None if prices is None else torch.cat([torch.full((size,), float(p)) for size, p in zip(sizes, prices)])
     bits = allocate_bits_global(torch.cat([e.flatten() for e in eigenvalues]), budget, max_bits, each)
     return list(torch.split(bits, sizes))
-
-
-def weighted_pca(cov: torch.Tensor, weight: torch.Tensor | None = None, ridge: float = 1e-6,
-                 return_decoder: bool = False):
-    """PCA minimising the weighted reconstruction error E[(x - x_hat)^T W (x - x_hat)].
-
-    cov: `[d, d]` covariance of the vectors; weight: `[d, d]` PSD cost matrix W, or None for plain PCA
-    (W = I). A ridge of `ridge * trace(W) / d` keeps W invertible. Returns
-      enc `[d, d]`: coefficients y = (x - mean) @ enc, components by descending cost-variance;
-      lam `[d]`: the cost-variance of each component (eigenvalues of L^T C L, W = L L^T), descending;
-      and, if return_decoder, dec `[d, d]` with x_hat = mean + y @ dec (dec = enc^-1; enc.T for plain PCA).
-    Truncating or quantizing component c costs lam[c] times its normalised error, in the units of W.
-    """
-    c = cov.double()
-    d = c.shape[0]
-    if weight is None:
-        lam, vec = torch.linalg.eigh(c)
-        lam, vec = lam.flip(0).clamp_min(0), vec.flip(1)
-        return (vec, lam, vec.T) if return_decoder else (vec, lam)
-    w = weight.double()
-    w = (w + w.T) / 2 + torch.eye(d, dtype=torch.float64) * (ridge * torch.trace(w).abs() / d + 1e-30)
-    chol = torch.linalg.cholesky(w)                                   # W = L L^T
-    lam, u = torch.linalg.eigh(chol.T @ c @ chol)                     # z = L^T x has covariance L^T C L
-    lam, u = lam.flip(0).clamp_min(0), u.flip(1)
-    enc = chol @ u                                                    # y = z @ u = x @ L @ u
-    dec = torch.linalg.solve(chol.T, u).T                             # x = y @ u^T @ L^-1
-    return (enc, lam, dec) if return_decoder else (enc, lam)
 
 
 def allocate_to_bytes(costs: list[torch.Tensor], byte_budget: int, max_bits: int = MAX_BITS,

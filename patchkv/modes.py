@@ -14,7 +14,6 @@ floats) through `patchkv.kernels`, never from a decoded copy kept between forwar
 - a decode step reads the middle straight from the stored codes in one pass (`middle_attend`, `kernels.attend`:
   each key rebuilt and rotated in registers, or post-RoPE scored in the latent space; a running softmax; value
   coefficients summed in the latent space), merged with the exact tokens by `patchkv.attention.decode_attention`.
-  `middle_scores` gives the same scores apart (`kernels.scores`), for diagnostics.
 
 Dense operands are in the model's dtype, as the unpatched model computes attention; a decode step scores and
 sums in float32 (the kernels accumulate in float32 whatever the stored dtype).
@@ -140,11 +139,6 @@ class Mode:
         """The middle's keys as attention reads them, `[batch, kv_heads, m, d]` in `dtype`."""
         raise NotImplementedError
 
-    def middle_scores(self, lp: LayerPatch, seen: Visible, q: torch.Tensor) -> torch.Tensor:
-        """The true scores of one query per head, grouped by KV head, float32 `[batch, kv_heads, groups, d]` (as
-        `queries` returns it), against the middle -> float32 `[batch, kv_heads, groups, m]`."""
-        raise NotImplementedError
-
     def middle_attend(self, lp: LayerPatch, seen: Visible, q: torch.Tensor, bias: torch.Tensor | None,
                       scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step over the middle in one pass over its codes (`kernels.attend`): q float32 `[batch, kv_heads,
@@ -192,13 +186,6 @@ class PreRoPE(Mode):
             return rotate_at(lp, rebuild(codec, seen.middle_keys, torch.float32), seen.middle_positions).to(dtype)
         return kernels.reconstruct(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, dtype,
                                    _half(codec))
-
-    def middle_scores(self, lp, seen, q):
-        rope = self._rope(lp, seen.middle_positions)
-        if rope is None:
-            return grouped_scores(q, self.middle_keys(lp, seen, torch.float32))
-        codec = lp.keys
-        return kernels.scores(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, q)
 
     def middle_attend(self, lp, seen, q, bias, scaling):
         rope = self._rope(lp, seen.middle_positions)
@@ -252,13 +239,6 @@ class PostRoPE(Mode):
 
     def middle_keys(self, lp, seen, dtype):
         return rebuild(lp.keys, seen.middle_keys, dtype)
-
-    def middle_scores(self, lp, seen, q):
-        # q . (mean + sum_c coefficient_c row_c) = (q . rows) . c + q . mean, in the latent space
-        codec = lp.keys
-        coeffs = kernels.unpack(seen.middle_keys, codec.table)  # [batch, kv_heads, m, widest]
-        q_latent = q @ codec.padded_rows.transpose(1, 2)  # [batch, kv_heads, groups, widest]
-        return q_latent @ coeffs.transpose(-1, -2) + (q * codec.kernel_mean.unsqueeze(1)).sum(-1, keepdim=True)
 
     def middle_attend(self, lp, seen, q, bias, scaling):
         # q . (mean + sum_c coefficient_c row_c) = (q . rows) . c + q . mean: scored in the latent space

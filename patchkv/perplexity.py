@@ -58,8 +58,3 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any 
             count += targets.numel()
         start += step.shape[1]
     return Scored(total, count, greedy, cache, logits)
-
-
-def token_perplexity(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None) -> float:
-    """exp(mean next-token NLL) of `input_ids` through the cache (`token_nll`)."""
-    return token_nll(model, input_ids, chunk, cache).perplexity

@@ -50,6 +50,14 @@ def make_model(family: str = "llama", attn: str = "sdpa", seed: int = 0, dtype=t
     return model_cls(config).to(dtype).eval()
 
 
+def expected_distortion(eigenvalues: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """What the bit allocators minimise: sum_c lam_c * GAUSSIAN_MSE[bits_c] (float64 scalar); eigenvalues, bits `[n]`."""
+    from patchkv.quantize import GAUSSIAN_MSE
+
+    mse = torch.tensor(GAUSSIAN_MSE, dtype=torch.float64)
+    return (eigenvalues.double().clamp_min(0) * mse[bits.long()]).sum()
+
+
 def calibration_ids(n: int = 8, seq: int = 48, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, COMMON["vocab_size"], (n, seq), generator=g)

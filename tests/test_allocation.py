@@ -3,8 +3,9 @@ import itertools
 import pytest
 import torch
 
-from patchkv.allocation import (allocate_bits_global, allocate_bits_grouped, allocate_to_bytes, expected_distortion,
-                                marginal_gains, weighted_pca)
+from conftest import expected_distortion
+
+from patchkv.allocation import allocate_bits_global, allocate_bits_grouped, allocate_to_bytes, marginal_gains
 from patchkv.quantize import GAUSSIAN_MSE, allocate_bits
 
 
@@ -67,47 +68,6 @@ def test_bad_inputs_are_refused():
         allocate_bits_global(torch.ones(2, 2), 3)
     with pytest.raises(ValueError):
         allocate_bits_global(torch.ones(3), -1)
-
-
-def _random_cov(d, seed):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(d, d, generator=g, dtype=torch.float64) * torch.logspace(0, -2, d, dtype=torch.float64)
-    return a @ a.T
-
-
-def test_weighted_pca_without_weight_is_plain_pca():
-    c = _random_cov(6, 0)
-    enc, lam, dec = weighted_pca(c, None, return_decoder=True)
-    assert torch.allclose(enc.T @ c @ enc, torch.diag(lam), atol=1e-10)
-    assert torch.allclose(dec @ enc, torch.eye(6, dtype=torch.float64), atol=1e-10)
-    assert torch.all(lam[:-1] >= lam[1:])
-
-
-def test_weighted_pca_eigenvalues_are_weighted_truncation_costs():
-    d = 6
-    c, w = _random_cov(d, 1), _random_cov(d, 2) + 0.1 * torch.eye(d, dtype=torch.float64)
-    enc, lam, dec = weighted_pca(c, w, ridge=0.0, return_decoder=True)
-    assert torch.allclose(enc @ dec, torch.eye(d, dtype=torch.float64), atol=1e-8)
-    assert torch.allclose(enc.T @ c @ enc, torch.diag(lam), atol=1e-8)  # coefficients are uncorrelated
-    for r in range(d + 1):
-        # keeping the first r components costs exactly the sum of the other eigenvalues, in units of W
-        p = enc[:, :r] @ dec[:r]                 # x_hat - mean = (x - mean) @ p
-        e = torch.eye(d, dtype=torch.float64) - p
-        cost = torch.trace(e.T @ c @ e @ w)
-        assert float(cost) == pytest.approx(float(lam[r:].sum()), rel=1e-6, abs=1e-9)
-
-
-def test_weighted_pca_beats_plain_pca_under_its_own_cost():
-    d, r = 8, 3
-    c, w = _random_cov(d, 3), _random_cov(d, 4) + 0.01 * torch.eye(d, dtype=torch.float64)
-
-    def cost(enc, dec):
-        e = torch.eye(d, dtype=torch.float64) - enc[:, :r] @ dec[:r]
-        return float(torch.trace(e.T @ c @ e @ w))
-
-    plain_enc, _ = weighted_pca(c, None)
-    wenc, _, wdec = weighted_pca(c, w, ridge=0.0, return_decoder=True)
-    assert cost(wenc, wdec) < cost(plain_enc, plain_enc.T)
 
 
 def test_allocation_to_bytes_fits_whole_bytes_and_uses_them():

@@ -89,7 +89,7 @@ def test_global_pool_spends_bits_where_the_loss_is_sensitive(weighted):
 
 def test_global_pool_lowers_the_weighted_error_it_optimises(weighted):
     """At equal bits, the expected loss increase (sum of cost-variance x quantizer MSE) is lower with one pool."""
-    from patchkv.allocation import expected_distortion
+    from conftest import expected_distortion
 
     def cost(pool):
         k, v = bit_allocation(weighted, 24, pool)

@@ -163,12 +163,12 @@ def test_top_k_uses_latent_scoring_and_error_grows_as_k_shrinks(mode, monkeypatc
     errors = []
     for k in (38, 24, 4):  # the decode step's middle holds 37 tokens: k = 38 selects nothing, it is dense
         if k < 38:
-            for name in ("latent_scores", "chunked_latent_scores", "scores"):
+            for name in ("latent_scores", "chunked_latent_scores"):
                 original = getattr(kernels, name)
                 monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
         logits = decode_step_logits(model, full, prompt, sink_tokens=1, window=2, top_k=k, top_k_rank=8)
         errors.append((logits - dense).abs().max().item())
         monkeypatch.undo()
     assert errors[0] < 1e-5 < errors[2] and errors[1] <= errors[2]
-    # candidates are scored in the latent space, never through the dense scores of every middle token
+    # candidates are scored in the latent space (the kernels have no dense scores of every middle token)
     assert calls and set(calls) == ({"latent_scores"} if mode == "post_rope" else {"chunked_latent_scores"})

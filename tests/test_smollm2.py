@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import patchkv
-from patchkv.perplexity import token_perplexity
+from patchkv.perplexity import token_nll
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
@@ -49,14 +49,14 @@ def test_shipped_bases_on_one_perplexity_window(smollm2):
     model, tokenizer = smollm2
     doc = json.loads((ROOT / "patchkv/tasks/data/prose_4k.jsonl").read_text().splitlines()[0])["text"]
     ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(doc, add_special_tokens=False)["input_ids"][:1023]]])
-    base = token_perplexity(model, ids, 32)
+    base = token_nll(model, ids, 32).perplexity
     pre = patchkv.Artifact.load(BASES / "pre_rope.safetensors")
     assert pre.calibration["sink_tokens"] == 4 and pre.model["model_type"] == "llama"
     with patchkv.patched(model, pre.with_ranks(rank=64)):  # full rank: only bf16 rounding
-        assert token_perplexity(model, ids, 32) == pytest.approx(base, rel=0.01)
+        assert token_nll(model, ids, 32).perplexity == pytest.approx(base, rel=0.01)
     assert pre.has_effect_weights and pre.has_step_scales
     with patchkv.patched(model, pre, [patchkv.SinksWindow(4, 32), patchkv.Quantized(256, pool="global")]):  # 4x
-        compressed = token_perplexity(model, ids, 32)
+        compressed = token_nll(model, ids, 32).perplexity
     assert compressed != base and abs(compressed / base - 1) < 0.06  # 4x: the 4k benchmark measures -0.0% on prose
 
 

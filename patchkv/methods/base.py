@@ -171,10 +171,6 @@ class CachePlan:
     salience: Salience | None = None
     methods: tuple[Method, ...] = field(default=())
 
-    @property
-    def exact_regions(self) -> bool:
-        return bool(self.sink_tokens or self.window)
-
     def describe(self) -> str:
         return " + ".join(m.spec() for m in self.methods)
 
