@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from . import heap
 from .cache import LatentCache, LatentLayer, dense
 from .context import LayerPatch
 from .errors import PatchKVError
@@ -61,13 +62,17 @@ def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
                              position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
                              cache: Cache | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or None): the patched
-    module's forward, over its layer of the `LatentCache` (`attention_forward`)."""
+    module's forward, over its layer of the `LatentCache` (`attention_forward`). A long CPU forward hands the heap's
+    freed pages back to the system before and after the layer (`patchkv.heap`)."""
     lp: LayerPatch = attn.patchkv
     lp.patch.compute_in(lp.patch.adapter.dtype(attn))  # the model may have moved to another dtype since apply
     lp = lp.on(hidden_states.device)
+    tokens = hidden_states.shape[0] * hidden_states.shape[1] if hidden_states.device.type == "cpu" else 0
+    heap.release(tokens)  # the layer below's temporaries, freed
     out = attention_forward(attn, lp, _layer(cache, lp), hidden_states, position_embeddings, attention_mask, **kwargs)
     if isinstance(cache, LatentCache):
         cache.done(lp.layer_idx)
+    heap.release(tokens)  # this layer's
     return out
 
 
