@@ -103,25 +103,29 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidde
     q, k = mode.to_cache_space(lp, q, k, cos, sin)
     seen = layer.update_latent(k, v, positions)
     queries = mode.queries(lp, q, cos, sin)
+    dtype, decode = q.dtype, decode_applies(attn, lp, q, kwargs)
+    del q, k, v  # the layer holds its own copies: a long forward's encoding (`after_attention`) runs without these
     scaling = adapter.scaling(attn)
     weights, chosen = None, None
     selector = lp.patch.plan.selector
     if selector is not None and lp.sliding_window is None and selector.applies(seq, seen.middle_len):
         with torch.profiler.record_function("patchkv::select"):
             chosen, attention_mask = select(lp, queries, seen, attention_mask)
-    if decode_applies(attn, lp, q, kwargs):
+    if decode:
         with torch.profiler.record_function("patchkv::decode_attention"):
             out = decode_attention(lp, queries, seen, attention_mask, scaling, chosen)
     else:
         with torch.profiler.record_function("patchkv::dense_operands"):
-            keys, values = dense(lp, seen, q.dtype, chosen)
+            keys, values = dense(lp, seen, dtype, chosen)
         with torch.profiler.record_function("patchkv::attention_function"):
             out, weights = adapter.attention_function(attn)(
                 attn, queries, keys, values, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                 scaling=scaling, **{**kwargs, **adapter.attention_kwargs(attn)})
+        del keys, values
     salience = lp.patch.plan.salience
-    layer.after_attention(Observation(queries, positions, scaling) if salience is not None and salience.observes
-                          else None)
+    observed = Observation(queries, positions, scaling) if salience is not None and salience.observes else None
+    del queries
+    layer.after_attention(observed)
     out = out.reshape(batch, seq, -1).to(model_dtype).contiguous()
     return adapter.output(attn, out), weights
 
