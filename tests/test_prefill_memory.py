@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import patchkv
+from patchkv import heap
 
 TOKENS = 512
 
@@ -64,3 +65,20 @@ def test_after_a_prefill_the_cache_keeps_only_the_storage_it_counts(setup, metho
         for layer in cache.layers:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in layer.tensors.values()}
             assert sum(storages.values()) == layer.allocated_nbytes()
+
+
+def test_a_long_forward_hands_freed_heap_pages_back_around_every_layer_and_a_short_one_never(setup, monkeypatch):
+    """`heap.release` runs before and after each patched layer of a forward of at least `heap.TOKENS` tokens
+    (the glibc heap's holes are what made a prefill's process peak above the unpatched one), and never in a decode
+    step, where it would cost time for nothing."""
+    model, art, ids = setup
+    calls = []
+    monkeypatch.setattr(heap, "_TRIM", lambda pad: calls.append(pad))
+    monkeypatch.setattr(heap, "TOKENS", ids.shape[1])
+    with patchkv.patched(model, art, [patchkv.SinksWindow(4, 16), patchkv.Quantized(bits=16)]), torch.no_grad():
+        cache = patchkv.LatentCache(model)
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        assert calls == [0] * 2 * model.config.num_hidden_layers
+        model(out.logits.argmax(-1), cache=cache, use_cache=True)
+        model(ids[:, : ids.shape[1] - 1], cache=patchkv.LatentCache(model), use_cache=True)
+    assert len(calls) == 2 * model.config.num_hidden_layers
