@@ -18,8 +18,9 @@ token's logits (`all`). Columns, MiB:
 to the size of each large block freed (up to 32 MiB), so after the first large frees every tensor of a 4k prefill
 lives in the heap, whose freed holes stay resident and fragment: RSS then depends on the order of allocations as
 much as on their sizes, and varies by tens of MiB between identical runs. A fixed threshold keeps large tensors in
-their own mappings, returned when freed, so `mmap` rows follow the live tensors. `--repeats` runs each setting again
-in new processes; the table shows the median and the range.
+their own mappings, returned when freed, so `mmap` rows follow the live tensors. The patched attention hands glibc's
+free heap pages back around each layer of a long forward (`patchkv.heap`); the unpatched model does not. `--repeats`
+runs each setting again in new processes; the table shows the median and the range.
 """
 
 from __future__ import annotations
