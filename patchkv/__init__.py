@@ -7,7 +7,8 @@
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES
-from .artifact import FORMAT_VERSION, Artifact
+from .artifact import Artifact
+from .artifact_format import FORMAT_VERSION
 from .cache import LatentCache, LatentLayer
 from .cache_file import load_cache, save_cache
 from .calibrate import calibrate

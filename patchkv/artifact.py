@@ -1,129 +1,5 @@
-"""The patchkv artifact: calibrated PCA bases for one model, as safetensors plus JSON metadata.
-
-Format, versions 1 to 6
-=======================
-One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
-`H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
-`values`:
-
-    {kind}.mean          float32 [L, H, d]     mean of the calibration vectors
-    {kind}.eigenvalues   float32 [L, H, d]     variances along each component, descending
-    {kind}.eigenvectors  float32 [L, H, d, d]  column j of [l, h] is component j
-    {kind}.ranks         int32   [L, H]        components kept per head, each in [1, d]
-
-A version 2 file holds those eight and exactly two more:
-
-    {kind}.weights       float32 [L, H, d]     effect weight of each component, >= 0: the expected loss
-                                               increase (nats per token) per unit of squared error along
-                                               it, u_j^T F u_j with F the Fisher matrix E[g g^T] of the
-                                               loss gradient w.r.t. the cached vector (`patchkv.fisher`)
-
-Effect weights put the components of every layer, head, key and value in one unit, so a global bit pool
-can be allocated over them (`Quantized(pool="global")`).
-
-A version 4 file holds the eight, optionally the two effect weights, and exactly two more, with `B` >= 1
-budgets listed in the metadata field `step_budgets`:
-
-    {kind}.step_scales   float32 [B, L, H]     > 0: for budget b, the quantizer steps of head [l, h] (and so its
-                                               clipping range) are this multiple of the Gaussian-matched ones
-                                               (`patchkv.steps.fit_step_scales`; only `Quantized` reads them)
-
-(Version 3, read but no longer written, held one budget, `{kind}.step_scales [L, H]`, whose bits and pool were
-recorded in `calibration["step_scales"]`; it loads as a one-budget version 4 artifact when that record names
-them, and is refused otherwise.)
-
-A version 5 file holds what a version 1, 2 or 4 file holds (the eight; optionally the effect weights; optionally
-the step scales, listed in `step_budgets` exactly when present) and exactly six more, with `D = H * d`, a
-layer's KV heads concatenated (head h in columns `h * d : (h + 1) * d`):
-
-    {kind}.layer_mean          float32 [L, D]     mean of each layer's concatenated vectors
-    {kind}.layer_eigenvalues   float32 [L, D]     variances along each layer component, descending
-    {kind}.layer_eigenvectors  float32 [L, D, D]  column j of [l] is component j of layer l
-
-and, exactly when it holds the effect weights, one more per kind:
-
-    {kind}.layer_weights       float32 [L, D]     effect weight of each layer component, >= 0: u_j^T F u_j with F
-                                                  the layer's whole Fisher matrix over its heads concatenated
-
-These are the layer bases that `Quantized(basis="layer")` codes on: one basis per layer shared by its KV heads,
-so a token's code for a layer is one latent read by every head (`calibrate(..., layer_bases=True)`). They are
-the whole spectrum, as the per-head bases are.
-
-A version 6 file is the artifact of a model with sliding-window layers: it holds the tensors of any version above
-(the eight; optionally the effect weights; optionally the step scales, exactly when `step_budgets` is given;
-optionally the layer bases, with layer weights exactly when the heads have effect weights) and its `model` object
-has a tenth field, `sliding_windows`, that says how many tokens each layer holds (what budgets count bytes by).
-
-An artifact is written at the lowest version that holds it: 6 for a model with sliding-window layers, else 5 with
-layer bases, else 4 with step scales, else 2 with effect weights, else 1, so files without the newer tensors stay
-readable by older readers.
-
-Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
-`post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
-without recalibrating; only `ranks` components per head are used at inference.
-
-The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
-
-    format_version  1, 2, 3, 4, 5 or 6 (see above)
-    mode            "pre_rope" | "post_rope"
-    model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-                     "dtype"} and, in version 6 only, "sliding_windows": one entry per layer, the
-                     layer's attention window (a positive integer) or null for full attention, at
-                     least one an integer; `apply` refuses a model whose fields differ (name,
-                     architecture class and dtype excepted; a model without the field attends
-                     fully in every layer)
-    calibration     free-form JSON object: source, tokens, sequences, seq_len, sink_tokens,
-                    rank selection, the calibration dtype, the step-scale fits; information only,
-                    never read to decide how the cache works (a version 3 file's step-scale budget
-                    is the one exception: `load` reads it once, into `step_budgets`)
-    step_budgets    version 4, and version 5 with step scales: [{"bits": int >= 1, "pool": "head" |
-                    "global"}, ...], the B distinct budgets (`Quantized(bits, pool)`) the step scales
-                    were fitted for
-    checksum        "sha256:<hex>" over every tensor (name, dtype, shape, bytes, in name
-                    order) and the canonical JSON of the metadata without `checksum`
-
-What is verified
-================
-`Artifact.load` raises `ArtifactError` (naming the file and, for tensor defects, the tensor, layer and
-head) unless all of the following hold, in this order:
-
-1. with `sha256=` given: the sha256 of the file's bytes (what `sha256sum FILE` prints; also
-   `patchkv.artifact.file_sha256`) equals it, as bare hex or "sha256:<hex>". This is not the stored
-   `checksum` field: it covers the whole file, header included. Saved files are byte-for-byte
-   reproducible, so the hash of an artifact is stable. The file is read once: the bytes hashed are the
-   bytes parsed, so a file replaced meanwhile cannot be loaded under another file's hash.
-2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
-   nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1, 2, 3, 4, 5 or 6;
-4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
-5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above (ten in
-   version 6), whose `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`,
-   `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of
-   float32, float16, bfloat16, float64, `sliding_windows` a list of `num_hidden_layers` entries, each null or a
-   positive integer, at least one an integer, given exactly in version 6; `calibration` an object, its objects and
-   arrays nested at most 32 deep and its JSON at most 1,000,000 characters (deeper nesting would exhaust Python's
-   stack in a copy or pickle later); `step_budgets` (version 4; versions 5 and 6 when present) a non-empty list of
-   distinct objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
-   version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
-6. exactly the eight tensors (version 1), ten (version 2), ten or twelve (versions 3 and 4), or the six layer
-   tensors, the eight, the effect weights with the two layer weights where present, and the step scales exactly
-   when `step_budgets` is given (version 5), or (version 6) the eight with any of those optional sets as in version
-   5, float32 and (ranks) int32, of the shapes above (step scales
-   `[B, L, H]` with B the number of budgets), agreeing with `model`;
-7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
-   every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
-   max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
-   negative value or an increase no larger than 1e-6 x the head's largest eigenvalue is accepted as
-   round-off (negatives that small are clamped to 0 in memory; the file is not changed); effect weights,
-   where present, >= 0 and given for keys and values both; step scales, where present, > 0 and given for
-   keys and values both; layer bases, where present, given for keys and values both and held to the same
-   rules as the heads' (finite, eigenvalues sorted and >= 0, each layer's eigenvectors orthonormal), with layer
-   weights >= 0 exactly when the heads have effect weights.
-
-In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
-file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
-"""
+"""The artifact's data model: `Components` (one kind's bases) and `Artifact` (keys and values with the model and
+calibration they belong to), loaded and saved as `patchkv.artifact_format` specifies, and its checks."""
 
 from __future__ import annotations
 
@@ -146,44 +22,19 @@ from torch import nn
 
 from . import hub
 from .adapters import adapter_for, attention_modules
-from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
-from .hub import FILENAME
 from .allocation import POOLS, compression_ratio
+from .artifact_format import (CALIBRATION_MAX_CHARS, CALIBRATION_MAX_DEPTH, CHECKED_FIELDS, EIGENVALUE_RTOL, FILENAME,
+                              FORMAT_VERSION, INT_FIELDS, KINDS, LAYER_NAMES, LAYER_WEIGHTS, META_FIELDS, MODEL_DTYPES,
+                              MODEL_FIELDS, MODES, ORTHONORMAL_TOL, READABLE_VERSIONS, SLIDING_WINDOWS, STEP_BUDGETS,
+                              STEP_SCALES, STR_FIELDS, TENSOR_NAMES, WEIGHTS, checksum, dtype_name,
+                              file_sha256, header_metadata, parse_sha256)
+from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
 from .pca import select_ranks
 from .quantize import MAX_BITS
 
-#: the newest format this version reads and writes (each file is written at the lowest version that holds it)
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
-MODES = ("pre_rope", "post_rope")
-KINDS = ("keys", "values")
-#: the fields `apply` checks (dtype is information: bases are cast to the model's dtype at `apply`)
-_CHECKED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                   "hidden_size")
-_STR_FIELDS = ("model_type", "architecture", "name_or_path")
-_INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
-MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
-#: exactly the fields of the metadata's `model` object (and, in version 6, `SLIDING_WINDOWS`)
-MODEL_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "dtype")
-#: the model field of a version 6 artifact: each layer's attention window, None for full attention
-SLIDING_WINDOWS = "sliding_windows"
-META_FIELDS = ("format_version", "mode", "model", "calibration", "checksum")
-TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
-WEIGHTS = "weights"
-STEP_SCALES = "step_scales"
-STEP_BUDGETS = "step_budgets"
-#: bounds on the free-form calibration summary (patchkv writes objects and arrays 5 deep, a few KB of JSON): deeper
-#: nesting would exhaust Python's stack later, in `copy.deepcopy` (`with_ranks`, `to_dtype`) or pickling
-CALIBRATION_MAX_DEPTH = 32
-CALIBRATION_MAX_CHARS = 1_000_000
-#: the layer bases of a version 5 file (`Components.layer_*`)
-LAYER_NAMES = ("layer_mean", "layer_eigenvalues", "layer_eigenvectors")
-LAYER_WEIGHTS = "layer_weights"
-#: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)
-ORTHONORMAL_TOL = 1e-4
-#: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
-EIGENVALUE_RTOL = 1e-6
-_SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
+#: what other modules take from here; the format's own names and helpers are also read from `patchkv.artifact_format`
+__all__ = ["FILENAME", "FORMAT_VERSION", "KINDS", "MODES", "Artifact", "Components", "dtype_name", "file_sha256",
+           "model_identity"]
 
 
 @dataclass
@@ -191,7 +42,7 @@ class Components:
     """PCA of keys or of values, all layers stacked, and optionally the components' effect weights, the heads'
     quantizer step scales (`[budgets, L, H]`, one slice per entry of the artifact's `step_budgets`) and the layer
     bases (`layer_mean` `[L, H * d]`, `layer_eigenvalues` `[L, H * d]`, `layer_eigenvectors` `[L, H * d, H * d]`:
-    one PCA per layer over its KV heads concatenated). Shapes as in the format spec above."""
+    one PCA per layer over its KV heads concatenated). Shapes as in the format spec (`patchkv.artifact_format`)."""
 
     mean: torch.Tensor
     eigenvalues: torch.Tensor
@@ -224,10 +75,6 @@ class Components:
         if self.layer_weights is not None:
             out[f"{kind}.{LAYER_WEIGHTS}"] = self.layer_weights.float().contiguous()
         return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def model_identity(model: nn.Module) -> dict[str, Any]:
@@ -357,7 +204,7 @@ class Artifact:
         """Raise `IncompatibleArtifactError` listing every field in which `model` differs from the artifact."""
         found = model_identity(model)
         diffs = [f"{f}: artifact has {self.model.get(f)!r}, model has {found.get(f)!r}"
-                 for f in (*_CHECKED_FIELDS, SLIDING_WINDOWS) if self.model.get(f) != found.get(f)]
+                 for f in (*CHECKED_FIELDS, SLIDING_WINDOWS) if self.model.get(f) != found.get(f)]
         if not diffs:
             return
         fix = "Calibrate an artifact for this model with patchkv.calibrate(model, texts, ...)"
@@ -382,7 +229,7 @@ class Artifact:
                 "calibration": self.calibration}
         if self.has_step_scales:
             meta[STEP_BUDGETS] = [{"bits": int(b), "pool": p} for b, p in self.step_budgets]
-        meta["checksum"] = _checksum(self.tensors(), meta)
+        meta["checksum"] = checksum(self.tensors(), meta)
         return meta
 
     def save(self, path: str | Path) -> Path:
@@ -402,12 +249,12 @@ class Artifact:
 
     @classmethod
     def load(cls, path: str | Path, *, sha256: str | None = None) -> Artifact:
-        """Read an artifact, verifying everything listed under "What is verified" in the module docstring.
+        """Read an artifact, verifying everything listed under "What is verified" in `patchkv.artifact_format`.
 
         sha256: optionally, the expected sha256 of the file's bytes (as `sha256sum` prints it), bare hex or
         "sha256:<hex>". Raises `ArtifactError` on any defect, naming the file.
         """
-        expected = _parse_sha256(sha256)
+        expected = parse_sha256(sha256)
         file = _resolve(_path(path), creating=False)
         try:  # read once: the hash is checked on, and the artifact parsed from, the same bytes
             data = file.read_bytes()
@@ -422,7 +269,7 @@ class Artifact:
                 )
         try:
             tensors = load_tensors(data)
-            header = _header_metadata(data)
+            header = header_metadata(data)
         except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
             raise ArtifactError(
                 f"{file} is not a readable safetensors file ({e}). It is truncated or corrupted: "
@@ -434,7 +281,7 @@ class Artifact:
         meta = _parse_metadata(file, header["patchkv"])
         claimed = meta.pop("checksum")
         try:
-            actual = _checksum(tensors, meta)
+            actual = checksum(tensors, meta)
         except (TypeError, ValueError, RecursionError) as e:  # pragma: no cover - JSON that parsed re-serialises
             raise InvalidArtifactError(f"{file}: the 'patchkv' metadata cannot be canonicalised ({e}).") from e
         if claimed != actual:
@@ -480,7 +327,7 @@ class Artifact:
         return hub.from_pretrained(repo_id_or_path, cls.load, **kwargs)
 
     def _validate(self) -> None:
-        """The content checks of the module docstring (step 7), vectorised over layers and heads."""
+        """The content checks of the format spec (step 7), vectorised over layers and heads."""
         _check_model_fields(self.model)
         _check_calibration(self.calibration)
         for kind in KINDS:
@@ -534,19 +381,6 @@ def _path(path: str | Path) -> Path:
     return hub.expand_user(path)
 
 
-def _header_metadata(data: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file's header: 8 bytes little-endian header length, then the JSON
-    header. Called after `safetensors.torch.load` has accepted `data`, so the header is well-formed."""
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + length])
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError("the header's __metadata__ is not an object of strings")
-    return metadata
-
-
 def _write_atomically(file: Path, data: bytes) -> None:
     """Write `data` to a new temporary file beside `file`, flush it to disk, and rename it over `file`; on any
     failure (a full disk, a KeyboardInterrupt) the temporary file is removed and `file` is left as it was.
@@ -573,24 +407,6 @@ def _write_atomically(file: Path, data: bytes) -> None:
         if isinstance(e, OSError) and e.errno is not None:  # name the file asked for, not the temporary one
             raise OSError(e.errno, e.strerror, str(file)) from e
         raise
-
-
-def file_sha256(path: str | Path) -> str:
-    """The sha256 of a file's bytes, "sha256:<hex>" (the hash `Artifact.load(path, sha256=...)` checks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
-
-
-def _parse_sha256(sha256: str | None) -> str | None:
-    if sha256 is None:
-        return None
-    m = _SHA256.fullmatch(sha256.strip()) if isinstance(sha256, str) else None
-    if not m:
-        raise ValueError(f"sha256 must be 64 hex digits, optionally prefixed with 'sha256:', got {sha256!r:.90}.")
-    return "sha256:" + m.group(1).lower()
 
 
 def _parse_metadata(file: Path, text: str) -> dict[str, Any]:
@@ -695,10 +511,10 @@ def _check_model_fields(model: dict[str, Any]) -> None:
     if extra:
         raise InvalidArtifactError(f"model has the unexpected field(s) {extra}; the format has exactly "
                                    f"{list(MODEL_FIELDS)} (see patchkv.artifact.model_identity).")
-    for k in _STR_FIELDS:
+    for k in STR_FIELDS:
         if not isinstance(model[k], str):
             raise InvalidArtifactError(f"model.{k} must be a string, got {model[k]!r:.80}.")
-    for k in _INT_FIELDS:
+    for k in INT_FIELDS:
         if not isinstance(model[k], int) or isinstance(model[k], bool) or model[k] < 1:
             raise InvalidArtifactError(f"model.{k} must be a positive integer, got {model[k]!r:.80}.")
     if model["dtype"] not in MODEL_DTYPES:
@@ -856,14 +672,3 @@ def _resolve(path: Path, *, creating: bool) -> Path:
     if not creating and not file.is_file():
         raise ArtifactError(f"No artifact at {file}: expected a .safetensors file or a directory holding {FILENAME}.")
     return file
-
-
-def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-    return "sha256:" + h.hexdigest()

@@ -29,8 +29,9 @@ import torch
 from safetensors import SafetensorError
 
 from .allocation import bit_allocation, default_pool, full_kv_bytes_per_token, kv_bytes_per_token
+from .artifact_format import FILENAME
 from .errors import IncompatibleArtifactError, PatchKVError
-from .hub import FILENAME, expand_user
+from .hub import expand_user
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -310,7 +311,7 @@ def cmd_info(args: argparse.Namespace) -> None:
           f"{'yes (quantized:basis=layer available)' if art.has_layer_bases else 'no'}")
     local = expand_user(args.artifact)
     if local.exists():
-        from .artifact import file_sha256
+        from .artifact_format import file_sha256
 
         print(f"file sha256: {file_sha256(local / FILENAME if local.is_dir() else local)}")
     print(f"KV bytes/token: {kv_bytes_per_token(art)} (uncompressed {full_kv_bytes_per_token(art)})")

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .allocation import compression_ratio, full_kv_bytes_per_token, kv_bytes_per_token
+from .artifact_format import FILENAME
 from .errors import ArtifactError, HubError
 
 if TYPE_CHECKING:  # this module sits below patchkv.artifact, which calls it; it only reads artifacts' attributes
     from .artifact import Artifact
 
-#: The file an artifact repo (and an artifact directory) holds.
-FILENAME = "patchkv.safetensors"
 Loaded = TypeVar("Loaded")
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")

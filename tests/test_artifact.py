@@ -135,8 +135,8 @@ def test_rank_above_head_dim_is_refused(tmp_path, model, artifact):
     def inflate(meta, tensors):  # a hand-edited file whose checksum is even made consistent
         tensors["keys.ranks"][0, 0] = 17
         meta.pop("checksum")
-        from patchkv.artifact import _checksum
-        meta["checksum"] = _checksum(tensors, meta)
+        from patchkv.artifact_format import checksum
+        meta["checksum"] = checksum(tensors, meta)
 
     rewrite_metadata(file, inflate)
     assert_refused(model, file, patchkv.ArtifactError, "head_dim=16", "[17]")

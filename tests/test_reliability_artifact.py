@@ -16,7 +16,8 @@ from conftest import calibration_ids, fed_in_chunks, make_model
 from safetensors.torch import load_file, save_file
 
 import patchkv
-from patchkv.artifact import Artifact, Components, _checksum, file_sha256
+from patchkv.artifact import Artifact, Components
+from patchkv.artifact_format import checksum, file_sha256
 from patchkv.errors import ArtifactError, InvalidArtifactError
 
 
@@ -46,7 +47,7 @@ def write(file, tensors, meta, *, fix_checksum=True):
     """Write tensors and metadata; by default with a checksum made consistent (a deliberate, hand-made file)."""
     if fix_checksum and isinstance(meta, dict):
         meta = {k: v for k, v in meta.items() if k != "checksum"}
-        meta["checksum"] = _checksum(tensors, meta)
+        meta["checksum"] = checksum(tensors, meta)
     text = meta if isinstance(meta, str) else json.dumps(meta)
     save_file(tensors, str(file), metadata={"patchkv": text})
     return file

@@ -51,12 +51,12 @@ def test_the_artifact_records_each_layers_window(sliding, tmp_path):
     (lambda meta: meta["model"].update(sliding_windows=[True, None]), "positive integer"),
 ])
 def test_bad_windows_are_refused(sliding, tmp_path, edit, fragment):
-    from patchkv.artifact import _checksum
+    from patchkv.artifact_format import checksum
 
     tensors, meta = read(sliding[2].save(tmp_path / "a.safetensors"))
     edit(meta)
     meta.pop("checksum")
-    meta["checksum"] = _checksum(tensors, meta)  # a well-formed file whose content is wrong
+    meta["checksum"] = checksum(tensors, meta)  # a well-formed file whose content is wrong
     with pytest.raises(ArtifactError, match=fragment):
         Artifact.load(write(tmp_path / "b.safetensors", tensors, meta))
 
