@@ -161,114 +161,95 @@ def check_tensor_set(tensors: dict[str, torch.Tensor], version: int, budgeted: b
 
 
 def check_components(kind: str, c: Components, layers: int, heads: int, dim: int) -> None:
-    expected = {"mean": (layers, heads, dim), "eigenvalues": (layers, heads, dim),
-                "eigenvectors": (layers, heads, dim, dim), "ranks": (layers, heads)}
-    if c.weights is not None:
-        expected[WEIGHTS] = (layers, heads, dim)
-    if c.step_scales is not None:
-        expected[STEP_SCALES] = (c.step_scales.shape[0] if c.step_scales.dim() == 3 else -1, layers, heads)
-    for name, shape in expected.items():
-        t = getattr(c, name)
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArtifactError(f"{kind}.{name} must be a torch.Tensor, got {type(t).__name__}.")
-        if tuple(t.shape) != shape:
-            raise InvalidArtifactError(f"{kind}.{name} has shape {tuple(t.shape)}, expected {shape}.")
-        allowed = (torch.int32, torch.int64) if name == "ranks" else (torch.float32, torch.float64)
-        if t.dtype not in allowed:
-            raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected "
-                                       f"{' or '.join(dtype_name(d) for d in allowed)}.")
-        if name != "ranks":
-            finite = torch.isfinite(t)
-            finite = finite.all(0) if name == STEP_SCALES else finite.reshape(layers, heads, -1).all(-1)
-            if not finite.all():
-                raise _where(kind, name, ~finite, "holds NaN or Inf values")
+    """Step 7 for one kind: the heads' bases (`_check_basis` over `[L, H]`, head dimension d); ranks `[L, H]` in
+    [1, d]; step scales `[B, L, H]`, where given, finite and > 0; the layer bases, where given (`_check_basis` over
+    `[L]`, width H * d), with layer weights exactly when the heads have effect weights."""
+    _check_basis(kind, c, "", (layers, heads), dim)
+    _check_tensor(kind, "ranks", c.ranks, (layers, heads), (torch.int32, torch.int64))
     check_ranks(kind, c.ranks, dim)
-    if c.weights is not None and (c.weights < 0).any():
-        bad = (c.weights < 0).any(-1)
-        raise _where(kind, WEIGHTS, bad, f"effect weights must be >= 0, found {c.weights[c.weights < 0].min().item():.3g}")
-    if c.step_scales is not None and (c.step_scales <= 0).any():
-        raise _where(kind, STEP_SCALES, (c.step_scales <= 0).any(0),
-                     f"step scales must be > 0, found {c.step_scales[c.step_scales <= 0].min().item():.3g}")
-    ev = c.eigenvalues.double()
-    tol = EIGENVALUE_RTOL * ev.abs().amax(-1)  # [layers, heads]
-    negative = (ev < -tol.unsqueeze(-1)).any(-1)
-    if negative.any():
-        raise _where(kind, "eigenvalues", negative,
-                     f"eigenvalues must be >= 0 (variances), found {ev[negative].min().item():.3g}")
-    unsorted = ((ev[..., 1:] - ev[..., :-1]) > tol.unsqueeze(-1)).any(-1)
-    if unsorted.any():
-        raise _where(kind, "eigenvalues", unsorted, "eigenvalues must be sorted in descending order")
-    if (c.eigenvalues < 0).any():  # round-off: clamp, so downstream logs and square roots see >= 0
-        c.eigenvalues = c.eigenvalues.clamp_min(0)
-    v = c.eigenvectors.double()
-    error = (v.mT @ v - torch.eye(dim, dtype=torch.float64)).abs().amax((-2, -1))  # [layers, heads]
-    bad = error > ORTHONORMAL_TOL
-    if bad.any():
-        raise _where(kind, "eigenvectors", bad, f"eigenvectors are not orthonormal: max |VᵀV - I| = "
-                     f"{error[bad].max().item():.3g} > {ORTHONORMAL_TOL:g}")
+    if c.step_scales is not None:
+        scales = c.step_scales
+        _check_tensor(kind, STEP_SCALES, scales, (scales.shape[0] if scales.dim() == 3 else -1, layers, heads))
+        _check_finite(kind, STEP_SCALES, torch.isfinite(scales).all(0))
+        if (scales <= 0).any():
+            raise _where(kind, STEP_SCALES, (scales <= 0).any(0),
+                         f"step scales must be > 0, found {scales[scales <= 0].min().item():.3g}")
     if c.has_layer_bases:
-        _check_layer_bases(kind, c, layers, heads * dim)
+        if (c.weights is None) != (c.layer_weights is None):
+            raise InvalidArtifactError(f"{kind}.layer_weights must be given exactly when the heads' effect weights "
+                                       f"are ({'missing' if c.layer_weights is None else 'given without them'}); "
+                                       "recalibrate with layer_bases=True and fisher_tokens > 0.")
+        _check_basis(kind, c, "layer_", (layers,), heads * dim)
     elif c.layer_weights is not None:
         raise InvalidArtifactError(f"{kind}.layer_weights are given without layer bases.")
 
 
-def _check_layer_bases(kind: str, c: Components, layers: int, width: int) -> None:
-    """Step 7 for the layer bases of a version 5 artifact: shapes `[L, D]`, `[L, D]`, `[L, D, D]`, finite, eigenvalues
-    sorted and >= 0 up to round-off (clamped), each layer's eigenvectors orthonormal; layer effect weights `[L, D]`
-    >= 0 exactly when the heads have effect weights."""
-    expected = {"layer_mean": (layers, width), "layer_eigenvalues": (layers, width),
-                "layer_eigenvectors": (layers, width, width)}
-    if (c.weights is None) != (c.layer_weights is None):
-        raise InvalidArtifactError(f"{kind}.layer_weights must be given exactly when the heads' effect weights are "
-                                   f"({'missing' if c.layer_weights is None else 'given without them'}); recalibrate "
-                                   "with layer_bases=True and fisher_tokens > 0.")
-    if c.layer_weights is not None:
-        expected[LAYER_WEIGHTS] = (layers, width)
-    for name, shape in expected.items():
+def _check_basis(kind: str, c: Components, prefix: str, units: tuple[int, ...], dim: int) -> None:
+    """One basis per unit (a head: `units` = (L, H); a layer: (L,)), its tensors named `prefix` + mean, eigenvalues,
+    eigenvectors, weights: `[*units, dim]`, `[*units, dim]`, `[*units, dim, dim]` and, where given, `[*units, dim]`;
+    float, finite, the effect weights >= 0, the eigenvalues sorted descending and >= 0 up to round-off (negative
+    round-off is clamped to 0 here), each unit's eigenvectors orthonormal. Errors name the first unit at fault."""
+    mean, eigenvalues, eigenvectors, weights = (prefix + name for name in ("mean", "eigenvalues", "eigenvectors", WEIGHTS))
+    shapes = {mean: (*units, dim), eigenvalues: (*units, dim), eigenvectors: (*units, dim, dim)}
+    if getattr(c, weights) is not None:
+        shapes[weights] = (*units, dim)
+    for name, shape in shapes.items():
         t = getattr(c, name)
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArtifactError(f"{kind}.{name} must be a torch.Tensor (all three layer tensors or none), got "
-                                       f"{type(t).__name__}.")
-        if tuple(t.shape) != shape:
-            raise InvalidArtifactError(f"{kind}.{name} has shape {tuple(t.shape)}, expected {shape} "
-                                       f"([layers, kv_heads * head_dim]).")
-        if t.dtype not in (torch.float32, torch.float64):
-            raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected float32 or float64.")
-        finite = torch.isfinite(t).reshape(layers, -1).all(-1)
-        if not finite.all():
-            layer = int((~finite).nonzero()[0])
-            raise InvalidArtifactError(f"{kind}.{name} at layer {layer}: holds NaN or Inf values.")
-    if c.layer_weights is not None and (c.layer_weights < 0).any():
-        raise InvalidArtifactError(f"{kind}.layer_weights at layer {int((c.layer_weights < 0).any(-1).nonzero()[0])}: "
-                                   "effect weights must be >= 0.")
-    ev = c.layer_eigenvalues.double()
-    tol = EIGENVALUE_RTOL * ev.abs().amax(-1, keepdim=True)
-    for bad, what in (((ev < -tol).any(-1), "eigenvalues must be >= 0 (variances)"),
-                      (((ev[:, 1:] - ev[:, :-1]) > tol).any(-1), "eigenvalues must be sorted in descending order")):
-        if bad.any():
-            raise InvalidArtifactError(f"{kind}.layer_eigenvalues at layer {int(bad.nonzero()[0])}: {what}.")
-    if (c.layer_eigenvalues < 0).any():
-        c.layer_eigenvalues = c.layer_eigenvalues.clamp_min(0)
-    v = c.layer_eigenvectors.double()
-    error = (v.mT @ v - torch.eye(width, dtype=torch.float64)).abs().amax((-2, -1))  # [layers]
-    if (error > ORTHONORMAL_TOL).any():
-        layer = int((error > ORTHONORMAL_TOL).nonzero()[0])
-        raise InvalidArtifactError(f"{kind}.layer_eigenvectors at layer {layer}: eigenvectors are not orthonormal: "
-                                   f"max |VᵀV - I| = {error[layer].item():.3g} > {ORTHONORMAL_TOL:g}.")
+        _check_tensor(kind, name, t, shape)
+        _check_finite(kind, name, torch.isfinite(t).reshape(*units, -1).all(-1))
+    w = getattr(c, weights)
+    if w is not None and (w < 0).any():
+        raise _where(kind, weights, (w < 0).any(-1), f"effect weights must be >= 0, found {w[w < 0].min().item():.3g}")
+    ev = getattr(c, eigenvalues).double()
+    tol = EIGENVALUE_RTOL * ev.abs().amax(-1, keepdim=True)  # [*units, 1]
+    negative = (ev < -tol).any(-1)
+    if negative.any():
+        raise _where(kind, eigenvalues, negative,
+                     f"eigenvalues must be >= 0 (variances), found {ev[negative].min().item():.3g}")
+    unsorted = ((ev[..., 1:] - ev[..., :-1]) > tol).any(-1)
+    if unsorted.any():
+        raise _where(kind, eigenvalues, unsorted, "eigenvalues must be sorted in descending order")
+    if (getattr(c, eigenvalues) < 0).any():  # round-off: clamp, so downstream logs and square roots see >= 0
+        setattr(c, eigenvalues, getattr(c, eigenvalues).clamp_min(0))
+    v = getattr(c, eigenvectors).double()
+    error = (v.mT @ v - torch.eye(dim, dtype=torch.float64)).abs().amax((-2, -1))  # [*units]
+    bad = error > ORTHONORMAL_TOL
+    if bad.any():
+        raise _where(kind, eigenvectors, bad, f"eigenvectors are not orthonormal: max |VᵀV - I| = "
+                     f"{error[bad].max().item():.3g} > {ORTHONORMAL_TOL:g}")
+
+
+def _check_tensor(kind: str, name: str, t: Any, shape: tuple[int, ...],
+                  allowed: tuple[torch.dtype, ...] = (torch.float32, torch.float64)) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArtifactError(f"{kind}.{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if tuple(t.shape) != shape:
+        raise InvalidArtifactError(f"{kind}.{name} has shape {tuple(t.shape)}, expected {shape}.")
+    if t.dtype not in allowed:
+        raise InvalidArtifactError(f"{kind}.{name} has dtype {dtype_name(t.dtype)}; expected "
+                                   f"{' or '.join(dtype_name(d) for d in allowed)}.")
+
+
+def _check_finite(kind: str, name: str, finite: torch.Tensor) -> None:
+    """`finite`: `[L, H]` or `[L]`, whether each head's or layer's values of `{kind}.{name}` are all finite."""
+    if not finite.all():
+        raise _where(kind, name, ~finite, "holds NaN or Inf values")
 
 
 def check_ranks(kind: str, ranks: torch.Tensor, dim: int) -> None:
+    """Ranks `[L, H]` each in [1, dim]."""
     bad = (ranks < 1) | (ranks > dim)
     if bad.any():
         raise _where(kind, "ranks", bad, f"ranks must lie in [1, head_dim={dim}], found {ranks[bad].tolist()[:4]}")
 
 
 def _where(kind: str, name: str, bad: torch.Tensor, what: str) -> InvalidArtifactError:
-    """An error naming the first offending (layer, head) of a `[layers, heads]` mask, and how many there are."""
-    layer, head = (int(i) for i in bad.nonzero()[0][:2])
-    count = int(bad.sum())
-    return InvalidArtifactError(f"{kind}.{name} at layer {layer}, head {head}: {what}"
-                                + (f" ({count} of {bad.numel()} heads are affected)" if count > 1 else "") + ".")
+    """An error naming the first offending head of a `[layers, heads]` mask (or layer of a `[layers]` mask), and how
+    many there are."""
+    place = ", ".join(f"{axis} {int(i)}" for axis, i in zip(("layer", "head"), bad.nonzero()[0]))
+    count, units = int(bad.sum()), "heads" if bad.dim() == 2 else "layers"
+    return InvalidArtifactError(f"{kind}.{name} at {place}: {what}"
+                                + (f" ({count} of {bad.numel()} {units} are affected)" if count > 1 else "") + ".")
 
 
 def _json_type(value: Any) -> str:
