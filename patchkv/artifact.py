@@ -21,17 +21,18 @@ from safetensors.torch import save as serialize
 from torch import nn
 
 from . import hub
-from .adapters import adapter_for, attention_modules
 from .allocation import compression_ratio
 from .artifact_checks import (check_calibration, check_components, check_model_fields, check_ranks, check_tensor_set,
                               parse_budgets, parse_metadata)
-from .artifact_format import (CHECKED_FIELDS, FILENAME, FORMAT_VERSION, KINDS, LAYER_NAMES, LAYER_WEIGHTS, MODEL_DTYPES,
+from .artifact_format import (FILENAME, FORMAT_VERSION, KINDS, LAYER_NAMES, LAYER_WEIGHTS, MODEL_DTYPES,
                               MODES, SLIDING_WINDOWS, STEP_BUDGETS, STEP_SCALES, TENSOR_NAMES, WEIGHTS, checksum,
                               dtype_name, file_sha256, header_metadata, parse_sha256)
-from .errors import ArtifactError, IncompatibleArtifactError, InvalidArtifactError
+from .errors import ArtifactError, InvalidArtifactError
+from .identity import check_compatible, model_identity
 from .pca import select_ranks
 
-#: what other modules take from here; the format's own names and helpers are also read from `patchkv.artifact_format`
+#: the names code imports from here; FILENAME, FORMAT_VERSION, KINDS, MODES, dtype_name and file_sha256 belong to
+#: `patchkv.artifact_format`, model_identity to `patchkv.identity`
 __all__ = ["FILENAME", "FORMAT_VERSION", "KINDS", "MODES", "Artifact", "Components", "dtype_name", "file_sha256",
            "model_identity"]
 
@@ -74,28 +75,6 @@ class Components:
         if self.layer_weights is not None:
             out[f"{kind}.{LAYER_WEIGHTS}"] = self.layer_weights.float().contiguous()
         return out
-
-
-def model_identity(model: nn.Module) -> dict[str, Any]:
-    """The fields of `model` that an artifact must match, plus its name and architecture class; `sliding_windows`
-    only for a model with a sliding-window layer."""
-    config = model.config
-    adapter = adapter_for(model)
-    modules = attention_modules(model, adapter)
-    attn = modules[0]
-    windows = [adapter.sliding_window(m) for m in modules]
-    return {
-        "model_type": config.model_type,
-        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
-        "name_or_path": getattr(config, "_name_or_path", "") or "",
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": adapter.head_dim(attn),
-        "hidden_size": config.hidden_size,
-        "dtype": dtype_name(adapter.dtype(attn)),
-        **({SLIDING_WINDOWS: windows} if any(w is not None for w in windows) else {}),
-    }
 
 
 class Artifact:
@@ -201,23 +180,7 @@ class Artifact:
     # ----- compatibility -----------------------------------------------------------------------
     def check_compatible(self, model: nn.Module) -> None:
         """Raise `IncompatibleArtifactError` listing every field in which `model` differs from the artifact."""
-        found = model_identity(model)
-        diffs = [f"{f}: artifact has {self.model.get(f)!r}, model has {found.get(f)!r}"
-                 for f in (*CHECKED_FIELDS, SLIDING_WINDOWS) if self.model.get(f) != found.get(f)]
-        if not diffs:
-            return
-        fix = "Calibrate an artifact for this model with patchkv.calibrate(model, texts, ...)"
-        if [d.split(":")[0] for d in diffs] == [SLIDING_WINDOWS] and SLIDING_WINDOWS not in self.model:
-            fix = ("The artifact predates format version 6, which records the layers' windows (budgets count bytes "
-                   f"by them): artifact.with_sliding_windows({found[SLIDING_WINDOWS]}) records them")
-        if [d.split(":")[0] for d in diffs] == ["dtype"]:
-            fix = (f"Load the model in {self.model['dtype']}, or accept the precision change with "
-                   f"artifact.to_dtype(torch.{found['dtype']})")
-        raise IncompatibleArtifactError(
-            f"Artifact calibrated for {self.model.get('name_or_path') or self.model.get('model_type')!r} does not "
-            f"match this model ({found['name_or_path'] or found['model_type']!r}):\n  " + "\n  ".join(diffs)
-            + f"\n{fix}."
-        )
+        check_compatible(self.model, model)
 
     # ----- serialisation -----------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:

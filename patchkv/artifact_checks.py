@@ -69,11 +69,11 @@ def check_model_fields(model: dict[str, Any]) -> None:
         raise InvalidArtifactError(f"model must be an object of identity fields, got {model!r:.80}.")
     missing = [k for k in MODEL_FIELDS if k not in model]
     if missing:
-        raise InvalidArtifactError(f"model is missing the field(s) {missing} (see patchkv.artifact.model_identity).")
+        raise InvalidArtifactError(f"model is missing the field(s) {missing} (see patchkv.identity.model_identity).")
     extra = sorted(str(k) for k in model if k not in (*MODEL_FIELDS, SLIDING_WINDOWS))
     if extra:
         raise InvalidArtifactError(f"model has the unexpected field(s) {extra}; the format has exactly "
-                                   f"{list(MODEL_FIELDS)} (see patchkv.artifact.model_identity).")
+                                   f"{list(MODEL_FIELDS)} (see patchkv.identity.model_identity).")
     for k in STR_FIELDS:
         if not isinstance(model[k], str):
             raise InvalidArtifactError(f"model.{k} must be a string, got {model[k]!r:.80}.")

@@ -22,11 +22,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .adapters import adapter_for, attention_modules
-from .artifact import MODES, Artifact, Components, model_identity
+from .artifact import Artifact, Components
+from .artifact_format import MODES
 from .compat import accelerate_hook, execution_device
 from .distributed import World, all_gather, all_reduce_sum, world
 from .errors import PatchKVError
 from .fisher import FisherCapture, effect_weights
+from .identity import model_identity
 from .pca import CovarianceAccumulator, select_ranks
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids [batch, seq], attention_mask [batch, seq]

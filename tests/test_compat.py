@@ -74,7 +74,7 @@ def test_nothing_else_reads_these_private_names():
 
     root = pathlib.Path(patchkv.__file__).parents[1]
     private = ("._hf_hook", "_forward_pre_hooks", "._attn_implementation", "._is_user_defined", "sys.modules[",
-               '"_hf_hook"', '"_attn_implementation"', '"_is_user_defined"')
+               '"_hf_hook"', '"_attn_implementation"', '"_is_user_defined"', "_name_or_path")
     offenders = []
     for folder in ("patchkv", "adapters", "kernels"):
         for path in (root / folder).rglob("*.py"):
