@@ -29,13 +29,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .quantize import GAUSSIAN_MSE, MAX_BITS, allocate_bits
+from .artifact_format import MAX_BITS, POOLS
+from .quantize import GAUSSIAN_MSE, allocate_bits
 
-if TYPE_CHECKING:  # this module sits below patchkv.artifact, which imports POOLS from it
+if TYPE_CHECKING:  # this module sits below patchkv.artifact, which shows a compression ratio
     from .artifact import Artifact, Components
 
-#: how `Quantized` shares its bits: "head" (every head's keys and values get the budget) or "global" (one pool)
-POOLS = ("head", "global")
 #: what `Quantized` codes on: each KV head's own basis, or one basis per layer shared by its KV heads
 BASES = ("head", "layer")
 #: a budget's step scales serve a `Quantized` budget of the same pool within this factor of its bits

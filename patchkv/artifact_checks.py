@@ -11,13 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .allocation import POOLS
 from .artifact_format import (CALIBRATION_MAX_CHARS, CALIBRATION_MAX_DEPTH, EIGENVALUE_RTOL, INT_FIELDS, KINDS,
-                              LAYER_NAMES, LAYER_WEIGHTS, META_FIELDS, MODEL_DTYPES, MODEL_FIELDS, MODES,
-                              ORTHONORMAL_TOL, READABLE_VERSIONS, SLIDING_WINDOWS, STEP_BUDGETS, STEP_SCALES,
+                              LAYER_NAMES, LAYER_WEIGHTS, MAX_BITS, META_FIELDS, MODEL_DTYPES, MODEL_FIELDS, MODES,
+                              ORTHONORMAL_TOL, POOLS, READABLE_VERSIONS, SLIDING_WINDOWS, STEP_BUDGETS, STEP_SCALES,
                               STR_FIELDS, TENSOR_NAMES, WEIGHTS, dtype_name)
 from .errors import ArtifactError, InvalidArtifactError
-from .quantize import MAX_BITS
 
 if TYPE_CHECKING:  # the checks read a `Components`' tensors; patchkv.artifact, above, runs them
     from .artifact import Components

@@ -160,6 +160,11 @@ TENSOR_NAMES = ("mean", "eigenvalues", "eigenvectors", "ranks")
 WEIGHTS = "weights"
 STEP_SCALES = "step_scales"
 STEP_BUDGETS = "step_budgets"
+#: the pools a step budget's bits come from (`Quantized(bits, pool)`): "head" (every head's keys and values get the
+#: budget) or "global" (one pool over every layer, head, key and value, by effect weight)
+POOLS = ("head", "global")
+#: the widest code of one component, in bits (a byte): a budget spends at most MAX_BITS x head_dim bits per head
+MAX_BITS = 8
 #: bounds on the free-form calibration summary (patchkv writes objects and arrays 5 deep, a few KB of JSON): deeper
 #: nesting would exhaust Python's stack later, in `copy.deepcopy` (`with_ranks`, `to_dtype`) or pickling
 CALIBRATION_MAX_DEPTH = 32

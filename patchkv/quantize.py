@@ -13,10 +13,10 @@ import math
 
 import torch
 
+from .artifact_format import MAX_BITS
 from .kernels import ops as kernels
 from .kernels.reference import ComponentTable
 
-MAX_BITS = 8
 # Optimal uniform quantizer for a unit Gaussian with 2^b levels (Max, 1960): step size and mean squared error.
 GAUSSIAN_STEP = (math.inf, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
 GAUSSIAN_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.003490, 0.001035, 0.0003035, 0.0000876)

@@ -54,9 +54,10 @@ def test_no_import_cycles():
 
 def test_lower_layers_do_not_import_upper_ones():
     known = modules()
-    for low in ("patchkv.adapters", "patchkv.kernels", "patchkv.errors", "patchkv.compat", "patchkv.pca",
-                "patchkv.quantize"):
+    for low in ("patchkv.adapters", "patchkv.kernels", "patchkv.errors", "patchkv.compat", "patchkv.artifact_format",
+                "patchkv.pca", "patchkv.quantize"):
         for name, (file, is_package) in known.items():
             if name == low or name.startswith(low + "."):
-                assert all(dep.startswith(("patchkv.adapters", "patchkv.kernels", "patchkv.errors", "patchkv.compat"))
+                assert all(dep.startswith(("patchkv.adapters", "patchkv.kernels", "patchkv.errors", "patchkv.compat",
+                                           "patchkv.artifact_format"))
                            for dep in imports(name, file, is_package, known)), name
