@@ -11,7 +11,8 @@ patchkv reads a private attribute of those libraries.
   function (family details such as Gemma's softcap live in its eager one);
 - the one `*RotaryEmbedding` module of a model, and its `rope_type`;
 - `nn.Module._forward_pre_hooks(_with_kwargs)`: removing a kwargs pre-hook by id;
-- accelerate's `_hf_hook` on a dispatched module (`pre_forward`, `execution_device`).
+- accelerate's `_hf_hook` on a dispatched module (`pre_forward`, `execution_device`);
+- where transformers' quantized cache layers (`QuantizedLayer`: quanto, HQQ) keep their codes.
 """
 
 from __future__ import annotations
@@ -84,3 +85,9 @@ def execution_device(module: nn.Module) -> torch.device | None:
     if device is None:
         return None
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def quantized_storage(layer: Any) -> tuple[Any, Any]:
+    """The quantized keys and values a transformers quantized cache layer holds (each a tensor, a tuple of tensors or
+    None; both None for a layer that keeps none), beside its float residual `keys` / `values`."""
+    return getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)

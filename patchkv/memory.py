@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .compat import quantized_storage
+
 
 def tensor_nbytes(t: torch.Tensor | None) -> int:
     """Storage bytes of a tensor, looking inside tensor subclasses (e.g. quanto's packed tensors)."""
@@ -39,8 +41,8 @@ def cache_nbytes(cache) -> int:
     codes with their scales and zeros)."""
     if hasattr(cache, "nbytes"):  # patchkv's LatentCache counts its own regions and position track
         return cache.nbytes()
-    names = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(held_nbytes(getattr(layer, name, None)) for layer in cache.layers for name in names)
+    return sum(held_nbytes(x) for layer in cache.layers
+               for x in (getattr(layer, "keys", None), getattr(layer, "values", None), *quantized_storage(layer)))
 
 
 def storage_nbytes(tensors) -> int:

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 from conftest import calibration_ids, make_model
-from transformers import DynamicCache
+from transformers import DynamicCache, QuantizedCache
 from transformers.generation.utils import GenerationMixin
 
 import patchkv
@@ -68,13 +68,25 @@ def test_accelerate_hooks_and_execution_device():
     assert compat.execution_device(module) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_a_quantized_cache_layer_keeps_its_codes_where_compat_reads_them(backend):
+    pytest.importorskip("optimum.quanto" if backend == "quanto" else "hqq")
+    model = make_model("llama")
+    cache = QuantizedCache(backend=backend, config=model.config, nbits=4, q_group_size=16, residual_length=4)
+    with torch.no_grad():
+        model(calibration_ids(1, 12), cache=cache, use_cache=True)
+    keys, values = compat.quantized_storage(cache.layers[0])
+    assert keys is not None and values is not None
+    assert compat.quantized_storage(DynamicCache(config=model.config).layers[0]) == (None, None)
+
+
 def test_nothing_else_reads_these_private_names():
     """The touchpoints are read in compat.py only (docstrings and error messages may name them)."""
     import pathlib
 
     root = pathlib.Path(patchkv.__file__).parents[1]
     private = ("._hf_hook", "_forward_pre_hooks", "._attn_implementation", "._is_user_defined", "sys.modules[",
-               '"_hf_hook"', '"_attn_implementation"', '"_is_user_defined"', "_name_or_path")
+               '"_hf_hook"', '"_attn_implementation"', '"_is_user_defined"', "_name_or_path", '"_quantized_')
     offenders = []
     for folder in ("patchkv", "adapters", "kernels"):
         for path in (root / folder).rglob("*.py"):
