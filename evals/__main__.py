@@ -10,6 +10,7 @@
     python -m evals memory --out evals/results                 # peak memory of one prefill (bench_memory.py)
     python -m evals blocks --out evals/results                 # a prefix store's blocks, pre- vs post-RoPE (bench_blocks.py)
     python -m evals spill --out evals/results                  # its disk tier and lossless stage (bench_spill.py)
+    python -m evals scaling --out evals/results                # cost against context, 1k to 128k (bench_scaling.py)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -231,7 +232,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
               "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks",
-              "spill": "bench_spill"}
+              "spill": "bench_spill", "scaling": "bench_scaling"}
 
 
 def main(argv: list[str] | None = None) -> None:

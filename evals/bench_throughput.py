@@ -83,18 +83,22 @@ def rounds(fns: dict, count: int) -> dict[str, list[float]]:
     return times
 
 
+def ratios_to(times: dict[str, list[float]], references: tuple[str, ...]) -> dict[str, float]:
+    """{method: median over rounds of its time over the fastest of `references` in that round}; {} when none of
+    them ran."""
+    base = [min(ts) for ts in zip(*(times[n] for n in references if n in times))]
+    if not base:
+        return {}
+    return {name: round(statistics.median(t / b for t, b in zip(ts, base)), 3) for name, ts in times.items()}
+
+
 def rows_for(path: str, context: int, tokens: int, times: dict[str, list[float]]) -> list[dict]:
-    base = [min(ts) for ts in zip(*(times[n] for n in UNPATCHED if n in times))] if any(n in times for n in UNPATCHED) \
-        else None
-    cache = times.get(REFERENCE_CACHE)
+    to_unpatched, to_cache = ratios_to(times, UNPATCHED), ratios_to(times, (REFERENCE_CACHE,))
     out = []
     for name, ts in times.items():
         row = {"path": path, "method": name, "context": context, "tokens": tokens,
-               "seconds": round(statistics.median(ts), 4), "ratio_to_unpatched": "", "ratio_to_quantizedcache": ""}
-        if base:
-            row["ratio_to_unpatched"] = round(statistics.median(t / b for t, b in zip(ts, base)), 3)
-        if cache:
-            row["ratio_to_quantizedcache"] = round(statistics.median(t / c for t, c in zip(ts, cache)), 3)
+               "seconds": round(statistics.median(ts), 4), "ratio_to_unpatched": to_unpatched.get(name, ""),
+               "ratio_to_quantizedcache": to_cache.get(name, "")}
         out.append(row)
         print(row, flush=True)
     return out

@@ -30,11 +30,15 @@ SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
 BASES = ROOT / "artifacts" / "smollm2-bases"
 
 
-def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa"):
-    """(model, tokenizer): SmolLM2-135M-Instruct from the folder `scripts/setup.sh` writes, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa", rope_factor: float = 1.0):
+    """(model, tokenizer): SmolLM2-135M-Instruct from the folder `scripts/setup.sh` writes, in eval mode.
+    rope_factor > 1: its RoPE scaled linearly by that factor (positions past its trained 8k)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=dtype, attn_implementation=attn).eval()
+    config = AutoConfig.from_pretrained(SMOLLM2)
+    if rope_factor > 1:
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": rope_factor}
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, config=config, dtype=dtype, attn_implementation=attn).eval()
     return model, AutoTokenizer.from_pretrained(SMOLLM2)
 
 
