@@ -1,5 +1,5 @@
-"""The GPU script at tiny sizes on CPU (`evals/gpu_check.sh --cpu-smoke`): every step ran, the GEMM CSV has its
-rows and columns. No timing asserts."""
+"""The GPU script at tiny sizes on CPU (`evals/gpu_check.sh --cpu-smoke`): every step ran, the GEMM and scaling CSVs
+have their rows and columns. No timing asserts."""
 
 import csv
 import os
@@ -32,8 +32,9 @@ def rows(path: Path) -> list[dict]:
 
 def test_gpu_check_smoke_ran_every_step(smoke):
     log = (smoke / "log.txt").read_text()
-    assert "kernels ok" in log and log.count("== ") == 3
-    assert sorted(p.name for p in smoke.iterdir()) == ["env.txt", "gemm.csv", "gemm.png", "log.txt"]
+    assert "kernels ok" in log and log.count("== ") == 4
+    assert sorted(p.name for p in smoke.iterdir()) == ["env.txt", "gemm.csv", "gemm.png", "log.txt", "scaling.csv",
+                                                       "scaling.csv.provenance.json", "scaling.png"]
 
 
 def test_gemm_csv(smoke):
@@ -48,3 +49,21 @@ def test_gemm_csv(smoke):
     for r in got:
         assert float(r["tflops"]) > 0 and float(r["efficiency"]) > 0
     assert (smoke / "gemm.png").stat().st_size > 0
+
+
+def test_scaling_csv(smoke):
+    """The scaling step's rows, as gpu_check.sh --cpu-smoke runs it: 512 tokens prefilled, batch 1 and 8, on CPU."""
+    got = rows(smoke / "scaling.csv")
+    methods = ["unpatched", "unpatched-eager", *(["quanto-int4"] if _quanto() else []), "8x", "8x-top256"]
+    assert [(r["method"], int(r["batch"])) for r in got] == [(m, b) for b in (1, 8) for m in methods]
+    for r in got:
+        assert r["device"] == "cpu" and int(r["context"]) == 512 and float(r["decode_s"]) > 0
+        assert float(r["middle_s"]) > 0 if r["method"].startswith("8x") else float(r["middle_s"]) == 0
+
+
+def _quanto() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return False
+    return True
