@@ -42,7 +42,8 @@ of that step (model, cache and the step's transients: the process's peak while d
 over VmRSS before the step (transient copies), `cache_bytes` the cache's own count (`patchkv.memory.cache_nbytes`) at `context` tokens, before any step.
 On CUDA the memory columns are `torch.cuda.max_memory_allocated` of the same step in the timing process instead.
 
-Ratios are comparable only within one run; never assert on them.
+Ratios are comparable only within one run (one context's rows of one command); never assert on them. `--keep` runs
+some contexts again (or more of them) and keeps the CSV's other rows, each with its own commit and command.
 """
 
 from __future__ import annotations
@@ -436,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
     p.add_argument("--name", default="scaling")
     p.add_argument("--table", action="store_true")
+    p.add_argument("--keep", action="store_true", help="keep the CSV's rows of contexts not run now")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "CONTEXT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -458,7 +460,10 @@ def main(argv: list[str] | None = None) -> None:
     stamp = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
              "threads": torch.get_num_threads(), "commit": commit(),
              "command": "python -m evals scaling " + " ".join(argv if argv is not None else sys.argv[1:])}
-    rows = []
+    path = out / f"{args.name}.csv"
+    # --keep: the rows of other contexts already in the CSV stay (each row names the commit and command it came from)
+    rows = [r for r in csv.DictReader(open(path)) if int(r["context"]) not in contexts] \
+        if args.keep and path.is_file() else []
     for context in contexts:
         here = [(k, v[:, :, :context]) for k, v in source] if context < source[0][0].shape[2] else source
         got = batch_one(model, artifacts, names, context, ids, here, args, device)
@@ -475,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
             print({k: r[k] for k in ("method", "context", "batch", "decode_s", "decode_ratio", "chunk64_s")},
                   flush=True)
         gc.collect()
+        rows.sort(key=lambda r: (int(r["context"]), int(r["batch"])))
         write(rows, out, args)  # after every context: a run stopped early keeps what it measured
     print(table(rows))
 
