@@ -308,6 +308,7 @@ def measure_memory(name: str, context: int, source_tokens: int, rope: float) -> 
     ids = prose_ids(tokenizer, max(source_tokens, 64) + 8)
     source = source_kv(model, ids[:, :min(context, source_tokens)])
     twin = method_models(model, load_artifacts(), [name], context)[name]
+    del model  # a patched or eager method's copy: the process holds one model, as a user's does
     cache = new_cache(name, twin)
     fill(cache, source, context, 1)
     del source
@@ -437,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "evals" / "results"))
     p.add_argument("--name", default="scaling")
     p.add_argument("--table", action="store_true")
+    p.add_argument("--memory-only", action="store_true", help="measure memory again at --contexts, in the CSV's rows")
     p.add_argument("--keep", action="store_true", help="keep the CSV's rows of contexts not run now")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "CONTEXT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -449,6 +451,13 @@ def main(argv: list[str] | None = None) -> None:
     args.rope_factor = args.rope_factor or rope_factor(max(contexts))
     if args.one:
         print(json.dumps(measure_memory(args.one[0], int(args.one[1]), args.memory_source, args.rope_factor)))
+        return
+    if args.memory_only:  # the CSV's batch-1 rows at these contexts get new memory columns, nothing else changes
+        rows = list(csv.DictReader(open(out / f"{args.name}.csv")))
+        for row in rows:
+            if int(row["context"]) in contexts and row["batch"] == "1":
+                row.update(memory_row(row["method"], int(row["context"]), args))
+        write(rows, out, args)
         return
     device = torch.device(args.device)
     names = args.methods.split(",")
