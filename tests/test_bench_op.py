@@ -20,7 +20,7 @@ def smoke(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     result = subprocess.run(["bash", str(ROOT / "evals" / "gpu_check.sh"), "--cpu-smoke"], env=env,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return out
 
