@@ -380,8 +380,8 @@ def plot(rows: list[dict], path: Path) -> Path:
                          if r["method"] == method and int(r["batch"]) == batch and numeric(r.get(column)) is not None)
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="os^vD<>p"[i % 8], linestyle="-" if "eager" not in method else "--",
-                        label=method)
+                ax.plot(xs, ys, marker="os^vD<>p"[i % 8], color=f"C{i % 10}",
+                        linestyle="-" if "eager" not in method else "--", label=method)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(title)
