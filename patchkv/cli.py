@@ -34,6 +34,8 @@ from .errors import IncompatibleArtifactError, PatchKVError
 from .hub import expand_user
 
 DTYPES = ("float32", "float16", "bfloat16")
+#: above this many tokens `calibrate` fits step scales on a restricted vocabulary by default (`--step-top`)
+LARGE_VOCABULARY = 65_536
 
 
 class UsageError(PatchKVError):
@@ -173,7 +175,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                       "tokens)", flush=True)
                 artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool, context=q.context,
                                            sink_tokens=args.sink_tokens, window=args.window, chunk=args.step_chunk,
-                                           passes=2, top=args.step_top or None)
+                                           passes=2, top=_step_top(args.step_top, model))
             try:
                 file = artifact.save(target)
             except (OSError, SafetensorError) as e:
@@ -186,6 +188,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     finally:
         if created:
             destroy()
+
+
+def _step_top(flag: int | None, model) -> int | None:
+    """`--step-top`: the `top` of `fit_step_scales` (None: the whole vocabulary). Unset: `patchkv.steps.TOP` where the
+    vocabulary has more than `LARGE_VOCABULARY` tokens, the whole vocabulary otherwise (a small head is cheap, and the
+    fits then match those made before the restricted loss existed)."""
+    from .steps import TOP
+
+    if flag is None:
+        return TOP if model.config.vocab_size > LARGE_VOCABULARY else None
+    return flag or None
 
 
 def _held_out_rows(texts: list[str], tokenizer, tokens: int) -> torch.Tensor:
@@ -393,9 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step-chunk", type=positive_int, default=64,
                    help="tokens per forward while fitting step scales (as `patchkv report` scores; 16 fits closer "
                         "to token-by-token decoding, 4x slower)")
-    c.add_argument("--step-top", type=non_negative_int, default=64,  # patchkv.steps.TOP
+    c.add_argument("--step-top", type=non_negative_int, default=None,
                    help="the step-scale loss reads the targets and each position's K likeliest tokens under the "
-                        "unpatched model (0: the whole vocabulary, slower where the vocabulary is large)")
+                        "unpatched model; 0: the whole vocabulary (default: 64 for a vocabulary of more than 65,536 "
+                        "tokens, whose head would be most of the fit's time; the whole vocabulary otherwise)")
     c.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the model's dtype for the forwards (auto: its own); statistics are float64 whatever it is")
     c.add_argument("--out", required=True, help="output directory or .safetensors file")

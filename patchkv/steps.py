@@ -14,7 +14,8 @@ the text's own tokens and, at every position, the unpatched model's `top` (64) l
 unpatched pass; `loss_vocabulary`), with the model's output head cut to those rows while fitting (`restricted_head`).
 A 262k-token head is otherwise most of each trial's time (Gemma 3 270M: 57%), and the candidates differ in the
 probability they give tokens the model considers, not in the tail: on SmolLM2 the restricted loss orders the
-trials as the full one does (`tests/test_step_scales.py`, and the record of each fit). The artifact stores a scale per layer
+trials as the full one does (`python -m evals.research_step_loss`; each fit records its vocabulary). `patchkv
+calibrate` restricts it by default only for vocabularies above 65,536 tokens (`--step-top`). The artifact stores a scale per layer
 and head, so finer fits can be written in the same format; a per-head fit of attention output error alone was
 tried on SmolLM2 and lost to one scale per kind on held-out perplexity.
 

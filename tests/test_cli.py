@@ -471,3 +471,14 @@ def test_ctrl_c_during_start_up_imports_is_one_line(tmp_path, module):
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "patchkv: error: interrupted\n"
+
+
+def test_step_top_restricts_the_loss_only_for_a_large_vocabulary():
+    from types import SimpleNamespace
+
+    from patchkv.cli import LARGE_VOCABULARY, _step_top
+    from patchkv.steps import TOP
+
+    small, large = (SimpleNamespace(config=SimpleNamespace(vocab_size=n)) for n in (49_152, 262_144))
+    assert _step_top(None, small) is None and _step_top(None, large) == TOP and LARGE_VOCABULARY < 262_144
+    assert _step_top(0, large) is None and _step_top(16, small) == 16
