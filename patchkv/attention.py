@@ -36,7 +36,8 @@ from .context import LayerPatch
 from .errors import PatchKVError
 from .kernels import ops as kernels
 from .methods import Observation
-from .modes import Visible, grouped_scores
+from .modes import grouped_scores
+from .visible import Visible
 
 
 class LatentForward:

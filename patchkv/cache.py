@@ -21,7 +21,7 @@ The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true pos
   ones fill the sinks) and returns the keys and values attention reads, `[batch, kv_heads, n, head_dim]`:
   exact regions as they are, the middle rebuilt from what is stored (and, pre-RoPE, every key rotated by its
   true position), in the dtype of the new keys (the model's);
-- `update_latent(...)`, the latent variant, returns the same tokens as a `patchkv.modes.Visible`: exact
+- `update_latent(...)`, the latent variant, returns the same tokens as a `patchkv.visible.Visible`: exact
   regions and the middle *as stored*, for attention that reads codes directly (decode steps, top-k);
 - `after_attention()` encodes whatever has left the window into the middle (with the layer's codecs).
 
@@ -49,7 +49,8 @@ from .context import LayerPatch
 from .errors import PatchKVError
 from .memory import storage_nbytes
 from .methods import Observation, Salience
-from .modes import Visible, rebuild
+from .modes import rebuild
+from .visible import Visible
 
 #: the middle's buffer grows by this many tokens at a time
 PAGE = 64

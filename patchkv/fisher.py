@@ -33,8 +33,9 @@ from .attention import attention_forward
 from .compat import accelerate_hook
 from .context import LayerPatch, Patch
 from .methods import build_plan
-from .modes import MODES, Visible
+from .modes import MODES
 from .rope import RopeTable
+from .visible import Visible
 
 
 class FisherProbe:

@@ -27,83 +27,22 @@ key is rebuilt; the error is the rotation between a token and its chunk's centre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .context import LayerPatch
 from .kernels import ops as kernels
 from .latent import Codec
+from .rope import rotate_at
+from .visible import Visible
 
 #: consecutive middle tokens sharing one reference rotation in pre-RoPE top-k scoring
 SCORE_CHUNK = 16
-
-
-@dataclass
-class Visible:
-    """What one attention step reads, in position order (sinks, middle, window).
-
-    sink_*/recent_*: exact `[batch, kv_heads, n, head_dim]` in cache space; middle_keys/middle_values: the middle
-    as stored, `[batch, m, width]` (fixed-rate codes or packed floats, read through `patchkv.kernels`);
-    *_positions: true positions `[batch, n]`. salient_*: the middle tokens each KV head also holds exact
-    (`patchkv.methods.Salience`), `[batch, kv_heads, s, head_dim]` in cache space, at middle indices
-    `salient_index` int64 `[batch, kv_heads, s]` and true positions `salient_positions` `[batch, kv_heads, s]`; None
-    where the plan keeps none. Attention reads them in place of their codes.
-    """
-
-    sink_keys: torch.Tensor
-    sink_values: torch.Tensor
-    recent_keys: torch.Tensor
-    recent_values: torch.Tensor
-    middle_keys: torch.Tensor
-    middle_values: torch.Tensor
-    sink_positions: torch.Tensor
-    middle_positions: torch.Tensor
-    recent_positions: torch.Tensor
-    salient_keys: torch.Tensor | None = None
-    salient_values: torch.Tensor | None = None
-    salient_index: torch.Tensor | None = None
-    salient_positions: torch.Tensor | None = None
-
-    @property
-    def middle_len(self) -> int:
-        return self.middle_keys.shape[1]
-
-    @property
-    def salient_len(self) -> int:
-        return 0 if self.salient_keys is None else self.salient_keys.shape[2]
 
 
 def grouped_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Queries grouped by KV head `[batch, kv_heads, groups, D]` against `[batch, kv_heads, n, D]` -> `[batch,
     kv_heads, groups, n]`: each KV head's query heads in one product, no repeated keys."""
     return q @ keys.transpose(-1, -2)
-
-
-def rope_rows(lp: LayerPatch, positions: torch.Tensor, like: torch.Tensor):
-    """cos, sin `[..., rotary_dim]` at `positions` `[batch, n]` or `[batch, heads, n]`, in like's dtype. Positions on
-    CPU that run `p, p + 1, ...` alike in every row (the middle of an unpadded batch) are a slice of the table,
-    not a gather."""
-    n = positions.shape[-1]
-    if positions.device.type == "cpu" and positions.dim() == 2 and n > 1:
-        first = positions[0, 0]
-        if bool((positions == first + torch.arange(n, dtype=positions.dtype)).all()):
-            lp.rope.grow(int(positions[0, -1]) + 1, like.device)
-            start = int(first)
-            rows = (lp.rope.cos[start: start + n], lp.rope.sin[start: start + n])
-            return tuple(r.to(like.dtype).expand(positions.shape[0], -1, -1) for r in rows)
-    return lp.rope.at(positions, like=like)
-
-
-def rotate_at(lp: LayerPatch, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """RoPE on x `[batch, heads, n, head_dim]` at positions `[batch, n]` or per head `[batch, heads, n]`."""
-    cos, sin = rope_rows(lp, positions, x)
-    rotate = lp.patch.adapter.rotate
-    if positions.dim() == 2:
-        return rotate(x, cos, sin)
-    b, h, n, d = x.shape
-    flat = rotate(x.reshape(b * h, 1, n, d), cos.reshape(b * h, n, -1), sin.reshape(b * h, n, -1))
-    return flat.reshape(b, h, n, d)
 
 
 def _half(codec: Codec) -> bool:
@@ -170,7 +109,7 @@ class PreRoPE(Mode):
         return lp.patch.adapter.rotate(q, cos, sin)
 
     def exact_keys(self, lp, keys, positions):
-        return rotate_at(lp, keys, positions) if keys.shape[2] else keys
+        return rotate_at(lp.rope, keys, positions) if keys.shape[2] else keys
 
     def _rope(self, lp: LayerPatch, positions: torch.Tensor):
         """The kernels' rotation of the middle, or None where the adapter's RoPE is not rotate-half."""
@@ -183,7 +122,7 @@ class PreRoPE(Mode):
         rope = self._rope(lp, seen.middle_positions)
         codec = lp.keys
         if rope is None and seen.middle_len:
-            return rotate_at(lp, rebuild(codec, seen.middle_keys, torch.float32), seen.middle_positions).to(dtype)
+            return rotate_at(lp.rope, rebuild(codec, seen.middle_keys, torch.float32), seen.middle_positions).to(dtype)
         return kernels.reconstruct(seen.middle_keys, codec.table, codec.rows, codec.kernel_mean, rope, dtype,
                                    _half(codec))
 

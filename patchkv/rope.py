@@ -80,3 +80,30 @@ class RopeTable:
             same = torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
             self._turn = torch.complex(cos[:, :half], sin[:, :half]) if same else False
         return self._turn if self._turn is not False else None
+
+
+def rope_rows(table: RopeTable, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[..., rotary_dim]` of `table` at `positions` `[batch, n]` or `[batch, heads, n]`, in like's dtype.
+    Positions on CPU that run `p, p + 1, ...` alike in every row (the middle of an unpadded batch) are a slice of the
+    table, not a gather."""
+    n = positions.shape[-1]
+    if positions.device.type == "cpu" and positions.dim() == 2 and n > 1:
+        first = positions[0, 0]
+        if bool((positions == first + torch.arange(n, dtype=positions.dtype)).all()):
+            table.grow(int(positions[0, -1]) + 1, like.device)
+            start = int(first)
+            rows = (table.cos[start: start + n], table.sin[start: start + n])
+            return tuple(r.to(like.dtype).expand(positions.shape[0], -1, -1) for r in rows)
+    return table.at(positions, like=like)
+
+
+def rotate_at(table: RopeTable, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE of `table` (by its adapter's `rotate`) on x `[batch, heads, n, head_dim]` at positions `[batch, n]` or per
+    head `[batch, heads, n]`."""
+    cos, sin = rope_rows(table, positions, x)
+    rotate = table.adapter.rotate
+    if positions.dim() == 2:
+        return rotate(x, cos, sin)
+    b, h, n, d = x.shape
+    flat = rotate(x.reshape(b * h, 1, n, d), cos.reshape(b * h, n, -1), sin.reshape(b * h, n, -1))
+    return flat.reshape(b, h, n, d)

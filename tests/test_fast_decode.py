@@ -18,6 +18,7 @@ from conftest import calibration_ids, make_model
 
 import patchkv
 from patchkv import modes
+from patchkv.rope import rotate_at
 from patchkv.kernels import reference
 from patchkv.quantize import GAUSSIAN_STEP, CoefficientQuantizer, allocate_bits
 
@@ -100,7 +101,7 @@ def test_pre_rope_latent_scores_equal_keys_rotated_to_their_chunk_reference(pre_
         scores = modes.PreRoPE().approximate_scores(lp, q_rot, coeffs[..., :8], positions)
         centres = (torch.arange(seq) // modes.SCORE_CHUNK * modes.SCORE_CHUNK + modes.SCORE_CHUNK // 2).clamp_max(seq - 1)
         keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :8], (0, 8)))
-        rotated = modes.rotate_at(lp, keys, positions[:, centres])
+        rotated = rotate_at(lp.rope, keys, positions[:, centres])
         expected = (q_rot.view(1, 2, 2, 16) @ rotated.transpose(-1, -2)).view(1, 4, seq)
     assert torch.allclose(scores, expected, atol=1e-4)
 

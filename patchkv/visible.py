@@ -1,0 +1,43 @@
+"""`Visible`: what a layer of the cache hands attention for one step (`LatentLayer.update_latent`), the middle as
+stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Visible:
+    """What one attention step reads, in position order (sinks, middle, window).
+
+    sink_*/recent_*: exact `[batch, kv_heads, n, head_dim]` in cache space; middle_keys/middle_values: the middle
+    as stored, `[batch, m, width]` (fixed-rate codes or packed floats, read through `patchkv.kernels`);
+    *_positions: true positions `[batch, n]`. salient_*: the middle tokens each KV head also holds exact
+    (`patchkv.methods.Salience`), `[batch, kv_heads, s, head_dim]` in cache space, at middle indices
+    `salient_index` int64 `[batch, kv_heads, s]` and true positions `salient_positions` `[batch, kv_heads, s]`; None
+    where the plan keeps none. Attention reads them in place of their codes.
+    """
+
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    middle_keys: torch.Tensor
+    middle_values: torch.Tensor
+    sink_positions: torch.Tensor
+    middle_positions: torch.Tensor
+    recent_positions: torch.Tensor
+    salient_keys: torch.Tensor | None = None
+    salient_values: torch.Tensor | None = None
+    salient_index: torch.Tensor | None = None
+    salient_positions: torch.Tensor | None = None
+
+    @property
+    def middle_len(self) -> int:
+        return self.middle_keys.shape[1]
+
+    @property
+    def salient_len(self) -> int:
+        return 0 if self.salient_keys is None else self.salient_keys.shape[2]
