@@ -24,6 +24,7 @@ serves every token exact and perturbed, with a mask choosing per query and key, 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,12 +32,13 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from . import heap
-from .cache import LatentCache, LatentLayer, dense
+from .cache import LatentCache, LatentLayer
 from .context import LayerPatch
 from .errors import PatchKVError
 from .kernels import ops as kernels
 from .methods import Observation
 from .modes import grouped_scores
+from .operands import dense
 from .visible import Visible
 
 
@@ -124,7 +126,8 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidde
                 scaling=scaling, **{**kwargs, **adapter.attention_kwargs(attn)})
         del keys, values
     salience = lp.patch.plan.salience
-    observed = Observation(queries, positions, scaling) if salience is not None and salience.observes else None
+    observed = Observation(queries, positions, scaling, partial(mode.exact_keys, lp)) \
+        if salience is not None and salience.observes else None
     del queries
     layer.after_attention(observed)
     out = out.reshape(batch, seq, -1).to(model_dtype).contiguous()

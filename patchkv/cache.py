@@ -11,16 +11,16 @@ pre-RoPE mode, rotated in post-RoPE mode):
 
 Unused regions are zero-sized, so there is one layout and one code path. A plan with a `Salience` method keeps,
 per KV head, the middle tokens it scores highest exact as well (scored as they leave the window, the best
-`capacity(middle)` so far); attention reads those in place of their codes (`dense`, and the decode step's exact
-tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the window of
-`window` tokens before them.
+`capacity(middle)` so far); attention reads those in place of their codes (`patchkv.operands.dense`, and the decode
+step's exact tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the
+window of `window` tokens before them.
 
 The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
 
 - `update(key_states, value_states, {"positions": ...})` adds the new tokens to the recent region (the first
   ones fill the sinks) and returns the keys and values attention reads, `[batch, kv_heads, n, head_dim]`:
   exact regions as they are, the middle rebuilt from what is stored (and, pre-RoPE, every key rotated by its
-  true position), in the dtype of the new keys (the model's);
+  true position), in the dtype of the new keys (the model's), assembled by `patchkv.operands.dense`;
 - `update_latent(...)`, the latent variant, returns the same tokens as a `patchkv.visible.Visible`: exact
   regions and the middle *as stored*, for attention that reads codes directly (decode steps, top-k);
 - `after_attention()` encodes whatever has left the window into the middle (with the layer's codecs).
@@ -29,7 +29,10 @@ Between forwards a layer holds exactly the sinks, the middle's latents and the l
 forwards read the middle from its latents. The cache also records the true position of every token
 (`positions`, `[batch, seen]`, once for all layers), by which pre-RoPE mode rotates rebuilt keys: static
 position schemes, gaps in `position_ids` and left padding are all exact. Each layer is built with its
-`LayerPatch` (codecs, mode, rotary table), as `QuantizedLayer` gets its settings.
+`LayerPatch` (codecs, mode, rotary table), as `QuantizedLayer` gets its settings. A layer stores and hands out
+what it holds: the mode is read where operands are assembled (`patchkv.operands`: `update`'s dense keys and values,
+the read-only `keys`/`values` views) and by the attention path (a salience method's `Observation.read_keys`), never
+here.
 
 A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
 and a patched model refuses a cache written under another patch. An unpatched model writing into it
@@ -49,7 +52,7 @@ from .context import LayerPatch
 from .errors import PatchKVError
 from .memory import storage_nbytes
 from .methods import Observation, Salience
-from .modes import rebuild
+from .operands import dense, unpatched
 from .visible import Visible
 
 #: the middle's buffer grows by this many tokens at a time
@@ -175,7 +178,7 @@ class LatentLayer(CacheLayerMixin):
         if self.salience is not None:
             if observed is not None:  # the leaving tokens as this forward's queries read them
                 observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]
-                observed.keys = self.patch.patch.mode.exact_keys(self.patch, exact[0], observed.positions)
+                observed.keys = observed.read_keys(exact[0], observed.positions)
             with torch.profiler.record_function("patchkv::salience"):
                 self._keep_salient(*exact, stored, start, observed)
         for kind, encoded in zip(("keys", "values"), stored):
@@ -261,10 +264,16 @@ class LatentLayer(CacheLayerMixin):
         """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and recent region
         (the window before this forward and its own tokens) with their true positions; for a sliding layer, the
         last `window - 1 + query_len` tokens."""
-        t = dict(self.tensors)
         kept = self.kept
         if self.is_sliding:  # the oldest beyond the window go (the recent region holds this forward's tokens)
             kept = min(kept, self.sliding_window - 1 + query_len)
+        return self._held(kept)
+
+    def _held(self, kept: int) -> Visible:
+        """The last `kept` of the tokens held (sinks and middle as held, the oldest dropped first), with their true
+        positions."""
+        t = dict(self.tensors)
+        if kept < self.kept:
             for region, drop in zip(("sink", "latent"), self._oldest(self.kept - kept)):
                 for kind in ("keys", "values"):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
@@ -305,17 +314,7 @@ class LatentLayer(CacheLayerMixin):
     def _full(self, kind: str) -> torch.Tensor | None:
         """Every kept token's key (rotated, as the unpatched model would cache it) or value, `[batch, kv_heads,
         kept, head_dim]`, the middle reconstructed from its latents."""
-        if not self.is_initialized:
-            return None
-        codec = getattr(self.patch, kind)
-        t = self.tensors
-        middle = rebuild(codec, t[f"latent_{kind}"].squeeze(1), t[f"sink_{kind}"].dtype)
-        if t["salient_keys"].shape[2]:
-            middle = overlay(middle, t[f"salient_{kind}"], t["salient_index"].squeeze(-1).long())
-        full = torch.cat([t[f"sink_{kind}"], middle, t[f"recent_{kind}"]], dim=2)
-        if kind == "keys":
-            full = self.patch.patch.mode.cached_keys_as_rotated(self.patch, full, self._positions(self.kept))
-        return full
+        return unpatched(self.patch, self._held(self.kept), kind) if self.is_initialized else None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -507,28 +506,6 @@ class LatentCache(Cache):
         return "\n".join(lines)
 
 
-def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
-          chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The visible tokens as attention reads them: keys (rotated as the mode wants, the middle rebuilt from what is
-    stored) and values, `[batch, kv_heads, n, head_dim]` in `dtype`, sinks, middle and window in position order.
-    chosen: the middle's keys and values replaced by each KV head's selected tokens (top-k)."""
-    mode = lp.patch.mode
-    if chosen is not None:
-        middle_keys, middle_values = (x.to(dtype) for x in chosen)
-    elif seen.middle_len:
-        middle_keys, middle_values = mode.middle_keys(lp, seen, dtype), rebuild(lp.values, seen.middle_values, dtype)
-        if seen.salient_len:  # each KV head's exact tokens in place of their codes
-            salient_keys = mode.exact_keys(lp, seen.salient_keys.to(dtype), seen.salient_positions)
-            middle_keys = overlay(middle_keys, salient_keys, seen.salient_index)
-            middle_values = overlay(middle_values, seen.salient_values.to(dtype), seen.salient_index)
-    else:
-        middle_keys = middle_values = None
-    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys,
-            mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
-    values = [seen.sink_values.to(dtype), middle_values, seen.recent_values.to(dtype)]
-    return _joined(keys), _joined(values)
-
-
 def no_salient(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
     """Empty salient regions for a layer whose keys and values are like `keys`, `values` `[batch, kv_heads, n,
     head_dim]` (a plan without salience, or a cache file written before salient regions existed)."""
@@ -549,17 +526,3 @@ def _best(regions: dict[str, torch.Tensor], score: torch.Tensor, k: int) -> dict
     kv_heads, s]`, kept in their order."""
     best = score.topk(k, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
     return {name: x.gather(2, best.expand(-1, -1, -1, x.shape[-1])) for name, x in regions.items()}
-
-
-def overlay(middle: torch.Tensor, exact: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The middle `[batch, kv_heads, m, head_dim]` with each KV head's tokens at `index` `[batch, kv_heads, s]`
-    replaced by `exact` `[batch, kv_heads, s, head_dim]` (a new tensor)."""
-    return middle.scatter(2, index.unsqueeze(-1).expand(-1, -1, -1, middle.shape[-1]), exact.to(middle.dtype))
-
-
-def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor:
-    """Concatenate along the token axis, skipping empty parts (no copy when one part holds every token)."""
-    kept = [p for p in parts if p is not None and p.shape[2]]
-    if not kept:
-        return next(p for p in parts if p is not None)
-    return kept[0] if len(kept) == 1 else torch.cat(kept, dim=2)

@@ -87,13 +87,16 @@ class Selector(Method):
 @dataclass
 class Observation:
     """What a forward's attention saw, for a `Salience` method that `observes`: its queries as attention dots them
-    with keys `[batch, heads, s, head_dim]` (rotated), their true positions `[batch, s]` and the softmax `scaling`;
-    the layer adds the tokens leaving its window, keys as attention reads them `[batch, kv_heads, n, head_dim]` and
-    their true positions `[batch, n]`."""
+    with keys `[batch, heads, s, head_dim]` (rotated), their true positions `[batch, s]`, the softmax `scaling` and
+    how attention reads cached keys (`read_keys`: keys `[batch, kv_heads, n, head_dim]` in cache space and their true
+    positions `[batch, n]` -> keys as the queries dot them, the mode's); the layer adds the tokens leaving its window,
+    keys as attention reads them `[batch, kv_heads, n, head_dim]` (by `read_keys`) and their true positions `[batch,
+    n]`."""
 
     queries: torch.Tensor
     query_positions: torch.Tensor
     scaling: float
+    read_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     keys: torch.Tensor | None = None
     positions: torch.Tensor | None = None
 

@@ -1,0 +1,71 @@
+"""What attention reads, assembled in one place from what a layer of the cache hands out (`patchkv.visible.Visible`,
+the middle as stored):
+
+- `dense`: the visible tokens as attention reads them, keys and values `[batch, kv_heads, n, head_dim]`: the
+  mode's keys (rotated pre-RoPE), the middle rebuilt from what is stored, each KV head's salient tokens written in
+  place of their codes (`overlay`), or top-k's chosen tokens in place of the middle. The operands of a forward of
+  several queries (`patchkv.attention`), and what `LatentLayer.update` returns (the `transformers` layer contract);
+- `unpatched`: a layer's keys or values as the unpatched model would hold them (`LatentLayer.keys` / `.values`).
+
+The layer stores and hands out what it holds; the mode (`patchkv.modes`) is read here, never by the storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .context import LayerPatch
+from .modes import rebuild
+from .visible import Visible
+
+
+def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
+          chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The visible tokens as attention reads them: keys (rotated as the mode wants, the middle rebuilt from what is
+    stored) and values, `[batch, kv_heads, n, head_dim]` in `dtype`, sinks, middle and window in position order.
+    chosen: the middle's keys and values replaced by each KV head's selected tokens (top-k)."""
+    mode = lp.patch.mode
+    if chosen is not None:
+        middle_keys, middle_values = (x.to(dtype) for x in chosen)
+    elif seen.middle_len:
+        middle_keys, middle_values = mode.middle_keys(lp, seen, dtype), rebuild(lp.values, seen.middle_values, dtype)
+        if seen.salient_len:  # each KV head's exact tokens in place of their codes
+            salient_keys = mode.exact_keys(lp, seen.salient_keys.to(dtype), seen.salient_positions)
+            middle_keys = overlay(middle_keys, salient_keys, seen.salient_index)
+            middle_values = overlay(middle_values, seen.salient_values.to(dtype), seen.salient_index)
+    else:
+        middle_keys = middle_values = None
+    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys,
+            mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
+    values = [seen.sink_values.to(dtype), middle_values, seen.recent_values.to(dtype)]
+    return _joined(keys), _joined(values)
+
+
+def unpatched(lp: LayerPatch, held: Visible, kind: str) -> torch.Tensor:
+    """The tokens `held` (a layer's, as `LatentLayer` holds them) as the unpatched model would cache them: keys
+    (`kind` "keys", rotated) or values ("values") `[batch, kv_heads, n, head_dim]` in the exact regions' dtype, the
+    middle reconstructed from what is stored and each KV head's salient tokens written in place of their codes."""
+    codec = getattr(lp, kind)
+    sinks, middle, recent = (getattr(held, f"{region}_{kind}") for region in ("sink", "middle", "recent"))
+    middle = rebuild(codec, middle, sinks.dtype)
+    if held.salient_len:
+        middle = overlay(middle, getattr(held, f"salient_{kind}"), held.salient_index)
+    full = torch.cat([sinks, middle, recent], dim=2)
+    if kind == "keys":
+        positions = torch.cat([held.sink_positions, held.middle_positions, held.recent_positions], dim=1)
+        full = lp.patch.mode.cached_keys_as_rotated(lp, full, positions)
+    return full
+
+
+def overlay(middle: torch.Tensor, exact: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The middle `[batch, kv_heads, m, head_dim]` with each KV head's tokens at `index` `[batch, kv_heads, s]`
+    replaced by `exact` `[batch, kv_heads, s, head_dim]` (a new tensor)."""
+    return middle.scatter(2, index.unsqueeze(-1).expand(-1, -1, -1, middle.shape[-1]), exact.to(middle.dtype))
+
+
+def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """Concatenate along the token axis, skipping empty parts (no copy when one part holds every token)."""
+    kept = [p for p in parts if p is not None and p.shape[2]]
+    if not kept:
+        return next(p for p in parts if p is not None)
+    return kept[0] if len(kept) == 1 else torch.cat(kept, dim=2)
