@@ -32,7 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from . import heap
-from .cache import LatentCache, LatentLayer
+from .cache import LatentCache, LatentLayer, check_cache
 from .context import LayerPatch
 from .errors import PatchKVError
 from .kernels import ops as kernels
@@ -138,13 +138,7 @@ def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:
     if cache is None:  # use_cache=False: a throwaway layer for this forward
         plan = lp.patch.plan
         return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, salience=plan.salience)
-    if not isinstance(cache, LatentCache):
-        raise PatchKVError(f"A patched model got a {type(cache).__name__}; it stores latents in a patchkv.LatentCache. "
-                           "Pass cache=patchkv.LatentCache(model), or no cache (generate() makes one).")
-    if cache.fingerprint != lp.patch.fingerprint:
-        raise PatchKVError(f"This LatentCache was written under another patch ({cache.plan_description}); continuing it "
-                           "with different bases or methods would mix incompatible latents. Start from a new cache.")
-    return cache.layer(lp.layer_idx)
+    return check_cache(cache, lp.patch.fingerprint).layer(lp.layer_idx)
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:

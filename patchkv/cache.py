@@ -35,7 +35,8 @@ the read-only `keys`/`values` views) and by the attention path (a salience metho
 here.
 
 A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
-and a patched model refuses a cache written under another patch. An unpatched model writing into it
+and a patched model refuses a cache written under another patch, or any other cache (`check_cache`, the one check
+the decoder's guard and the attention path both call). An unpatched model writing into it
 gets a `PatchKVError` (from `update`), never a silent mix of full and latent states.
 """
 
@@ -504,6 +505,22 @@ class LatentCache(Cache):
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}{salient}, "
                          f"window {layer.window_len}, {layer.nbytes()} bytes")
         return "\n".join(lines)
+
+
+def check_cache(cache: Any, fingerprint: str) -> LatentCache:
+    """`cache` as the patch with `fingerprint` continues it: its own `LatentCache`. Any other cache (a `DynamicCache`,
+    one written unpatched, a `LatentCache` written under another patch) raises a `PatchKVError`."""
+    if not isinstance(cache, LatentCache):
+        written = cache.get_seq_length() if hasattr(cache, "get_seq_length") else "?"
+        raise PatchKVError(
+            f"The patched model was given a {type(cache).__name__} (holding {written} tokens); patchkv stores "
+            "latents in its own cache. Pass cache=patchkv.LatentCache(model), or none (generate() makes one). "
+            "A cache written by the unpatched model cannot be continued patched: re-run the prompt.")
+    if cache.fingerprint != fingerprint:
+        raise PatchKVError(f"This LatentCache was written under another patch ({cache.plan_description}); "
+                           "continuing it with different bases or methods would mix incompatible latents. "
+                           "Start from a new patchkv.LatentCache(model).")
+    return cache
 
 
 def no_salient(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from transformers.utils import logging
 from .adapters import adapter_for, attention_modules
 from .artifact import Artifact
 from .attention import LatentForward
-from .cache import LatentCache
+from .cache import LatentCache, check_cache
 from .compat import (accelerate_hook, attn_implementation, installed_cache_preparer, is_user_defined, prepare_cache,
                      remove_pre_hook, set_cache_preparer)
 from .context import LayerPatch, Patch
@@ -188,7 +188,7 @@ def patched(model: nn.Module, artifact: Artifact, methods: Sequence[Method] = ()
 
 class CacheGuard:
     """Forward pre-hook of the decoder stack: a `LatentCache` where a cache is wanted and none was given,
-    the patch's own `LatentCache` passed on, anything else refused with a `PatchKVError`."""
+    the patch's own `LatentCache` passed on, anything else refused with a `PatchKVError` (`check_cache`)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -205,16 +205,7 @@ class CacheGuard:
                 kwargs.pop("past_key_values", None)
                 return args, kwargs
             return None
-        if not isinstance(cache, LatentCache):
-            written = cache.get_seq_length() if hasattr(cache, "get_seq_length") else "?"
-            raise PatchKVError(
-                f"The patched model was given a {type(cache).__name__} (holding {written} tokens); patchkv stores "
-                "latents in its own cache. Pass cache=patchkv.LatentCache(model), or none (generate() makes one). "
-                "A cache written by the unpatched model cannot be continued patched: re-run the prompt.")
-        if cache.fingerprint != self.model.patchkv.fingerprint:
-            raise PatchKVError(f"This LatentCache was written under another patch ({cache.plan_description}); "
-                               "continuing it with different bases or methods would mix incompatible latents. "
-                               "Start from a new patchkv.LatentCache(model).")
+        check_cache(cache, self.model.patchkv.fingerprint)
         return None
 
 
