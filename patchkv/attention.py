@@ -4,7 +4,7 @@ It mirrors `LlamaAttention.forward` in `transformers` with everything architectu
 adapter, and these changes:
 
 1. q, k, v come out of the adapter un-rotated; the mode puts them in cache space (`patchkv.modes`);
-2. the layer of the `LatentCache` takes the new tokens exact at their true positions (`LatentLayer.update`);
+2. the layer of the `LatentCache` takes the new tokens exact at their true positions (`update_latent`);
 3. a forward of several queries reads the visible tokens dense, the middle rebuilt from what the cache stores
    (keys rotated by their true positions in pre-RoPE mode), and runs the model's own attention function
    (sdpa or eager, with the family's masks, scaling, softcap and sliding window) on ordinary tensors;
@@ -39,7 +39,7 @@ from .kernels import ops as kernels
 from .methods import Observation
 from .modes import grouped_scores
 from .operands import dense
-from .visible import Visible
+from .visible import AttentionLayer, Visible
 
 
 class LatentForward:
@@ -79,7 +79,7 @@ def latent_attention_forward(attn: nn.Module, hidden_states: torch.Tensor,
     return out
 
 
-def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidden_states: torch.Tensor,
+def attention_forward(attn: nn.Module, lp: LayerPatch, layer: AttentionLayer, hidden_states: torch.Tensor,
                       position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None, *,
                       compute_dtype: torch.dtype | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one attention path: hidden_states `[batch, seq, hidden]` -> (`[batch, seq, hidden]`, attention weights or
@@ -87,9 +87,8 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: LatentLayer, hidde
     what this step reads (`update_latent` -> `Visible`), attention runs over it (`decode_attention`, or the model's
     own attention function over dense operands), then `layer.after_attention()`.
 
-    layer: the `LatentLayer` of the cache, or any object with `update_latent`, `after_attention` and
-        `get_seq_length`: effect-weight calibration reads its own (`patchkv.fisher.FisherProbe`: every token exact
-        and perturbed, the mask choosing per query and key).
+    layer: an `AttentionLayer`: the `LatentLayer` of the cache, or effect-weight calibration's own
+        (`patchkv.fisher.FisherProbe`: every token exact and perturbed, the mask choosing per query and key).
     compute_dtype: q, k, v and cos/sin cast to this dtype before attention, the output cast back to the model's
         (effect-weight calibration takes its gradients in float32); None: attention in the model's dtype."""
     adapter, mode = lp.patch.adapter, lp.patch.mode

@@ -95,7 +95,8 @@ class PositionTrack:
 
 
 class LatentLayer(CacheLayerMixin):
-    """One layer of a `LatentCache`. Filled by the patched attention through `append`; see the module doc."""
+    """One layer of a `LatentCache`, an `AttentionLayer` (`update_latent`, `after_attention`, `get_seq_length`) and a
+    `transformers` cache layer. Filled by the patched attention through `append`; see the module doc."""
 
     is_compileable = False
     is_croppable = True

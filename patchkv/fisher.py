@@ -32,16 +32,16 @@ from .adapters import AttentionAdapter
 from .attention import attention_forward
 from .compat import accelerate_hook
 from .context import LayerPatch, Patch
-from .methods import build_plan
+from .methods import Observation, build_plan
 from .modes import MODES
 from .rope import RopeTable
 from .visible import Visible
 
 
 class FisherProbe:
-    """The layer the attention path reads while `FisherCapture` measures a row (`attention_forward`'s `layer`):
-    every token twice, exact (where attention reads sinks) and perturbed (where it reads the recent window); there
-    is no latent middle. `deltas`: the zero perturbations of the last forward, float32 `[1, kv_heads, seq, head_dim]`
+    """The layer the attention path reads while `FisherCapture` measures a row (`attention_forward`'s `layer`, an
+    `AttentionLayer`): every token twice, exact (where attention reads sinks) and perturbed (where it reads the recent
+    window); there is no latent middle. `deltas`: the zero perturbations of the last forward, float32 `[1, kv_heads, seq, head_dim]`
     keys and values, in cache space."""
 
     def __init__(self) -> None:
@@ -58,7 +58,7 @@ class FisherProbe:
         return Visible(keys, values, keys + dk, values + dv, no_middle, no_middle, positions, positions[:, :0],
                        positions)
 
-    def after_attention(self, observed=None) -> None:
+    def after_attention(self, observed: Observation | None = None) -> None:
         pass
 
 

@@ -1,11 +1,14 @@
-"""`Visible`: what a layer of the cache hands attention for one step (`LatentLayer.update_latent`), the middle as
-stored."""
+"""What the attention path reads a layer through: the `AttentionLayer` protocol, and `Visible`, what a layer hands
+attention for one step (`update_latent`), the middle as stored."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from .methods import Observation
 
 
 @dataclass
@@ -41,3 +44,20 @@ class Visible:
     @property
     def salient_len(self) -> int:
         return 0 if self.salient_keys is None else self.salient_keys.shape[2]
+
+
+class AttentionLayer(Protocol):
+    """A layer as the attention path (`patchkv.attention.attention_forward`) reads it, implemented by
+    `patchkv.cache.LatentLayer` (a layer of the cache) and `patchkv.fisher.FisherProbe` (effect-weight calibration's
+    own: every token exact and perturbed, no middle)."""
+
+    def get_seq_length(self) -> int:
+        """Tokens the layer has taken before this forward (where the new ones start when the model passes no
+        `position_ids`)."""
+
+    def update_latent(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, /) -> Visible:
+        """Take this forward's keys and values `[batch, kv_heads, n, head_dim]` in cache space at their true positions
+        `[batch, n]`; return what its attention reads."""
+
+    def after_attention(self, observed: Observation | None = None, /) -> None:
+        """The forward's attention is done; `observed`: its queries, for a salience method that observes them."""
