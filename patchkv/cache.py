@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .compat import init_cache_layer
 from .context import LayerPatch
 from .errors import PatchKVError
 from .memory import storage_nbytes
@@ -103,8 +104,7 @@ class LatentLayer(CacheLayerMixin):
 
     def __init__(self, patch: LayerPatch, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
                  track: PositionTrack | None = None, salience: Salience | None = None):
-        # CacheLayerMixin.__init__ would assign .keys/.values, which are read-only views here
-        self.is_initialized = False
+        init_cache_layer(self)  # CacheLayerMixin.__init__ would assign .keys/.values, read-only views here
         self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
         # a sliding layer keeps its sinks exact while they are in its window, and at most `sliding_window - 1` recent
         self.sink_tokens = sink_tokens

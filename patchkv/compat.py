@@ -12,7 +12,9 @@ patchkv reads a private attribute of those libraries.
 - the one `*RotaryEmbedding` module of a model, and its `rope_type`;
 - `nn.Module._forward_pre_hooks(_with_kwargs)`: removing a kwargs pre-hook by id;
 - accelerate's `_hf_hook` on a dispatched module (`pre_forward`, `execution_device`);
-- where transformers' quantized cache layers (`QuantizedLayer`: quanto, HQQ) keep their codes.
+- where transformers' quantized cache layers (`QuantizedLayer`: quanto, HQQ) keep their codes;
+- what `CacheLayerMixin.__init__` sets on a cache layer (a `LatentLayer`, whose `keys` and `values` are read-only
+  views, cannot run it and sets the rest through `init_cache_layer`).
 """
 
 from __future__ import annotations
@@ -91,3 +93,9 @@ def quantized_storage(layer: Any) -> tuple[Any, Any]:
     """The quantized keys and values a transformers quantized cache layer holds (each a tensor, a tuple of tensors or
     None; both None for a layer that keeps none), beside its float residual `keys` / `values`."""
     return getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)
+
+
+def init_cache_layer(layer: Any) -> None:
+    """What `CacheLayerMixin.__init__` sets on `layer` (`keys`, `values`, `is_initialized`) but `keys` and `values`,
+    for a layer whose `keys` and `values` are read-only views of what it holds: not yet initialized."""
+    layer.is_initialized = False

@@ -80,6 +80,20 @@ def test_a_quantized_cache_layer_keeps_its_codes_where_compat_reads_them(backend
     assert compat.quantized_storage(DynamicCache(config=model.config).layers[0]) == (None, None)
 
 
+def test_a_cache_layers_init_sets_what_compat_sets_but_keys_and_values():
+    """`LatentLayer` does not run `CacheLayerMixin.__init__` (its `keys` and `values` are read-only views):
+    `compat.init_cache_layer` sets the rest of what it sets."""
+    from types import SimpleNamespace
+
+    from transformers.cache_utils import CacheLayerMixin
+
+    mixin, ours = SimpleNamespace(), SimpleNamespace()
+    CacheLayerMixin.__init__(mixin)
+    compat.init_cache_layer(ours)
+    assert tuple(vars(mixin)) == ("keys", "values", "is_initialized")
+    assert vars(ours) == {name: value for name, value in vars(mixin).items() if name not in ("keys", "values")}
+
+
 def test_nothing_else_reads_these_private_names():
     """The touchpoints are read in compat.py only (docstrings and error messages may name them)."""
     import pathlib
