@@ -136,7 +136,8 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: AttentionLayer, hi
 def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:
     if cache is None:  # use_cache=False: a throwaway layer for this forward
         plan = lp.patch.plan
-        return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, salience=plan.salience)
+        return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, salience=plan.salience,
+                           near_tokens=plan.near_tokens)
     return check_cache(cache, lp.patch.fingerprint).layer(lp.layer_idx)
 
 
@@ -162,8 +163,9 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
 
     The exact tokens (sinks, window) are scored and weighted as they are; the middle is read in one pass over its
     codes by the mode (`Mode.middle_attend`: keys rebuilt and rotated in registers, or scored in the latent space;
-    a running softmax; value coefficients summed in the latent space), and the two are merged (log-sum-exp), the
-    middle's values decoded once per query head: `U (sum_j p_j c_j) + (sum_j p_j) mean`. `chosen`: the middle cut
+    a running softmax; value coefficients summed in the latent space), the near tokens (`NearCodes`) in one pass of
+    their own with their codecs, and all are merged (log-sum-exp), each coded region's values decoded once per query
+    head: `U (sum_j p_j c_j) + (sum_j p_j) mean`. `chosen`: the middle cut
     to each KV head's selected tokens by top-k (`select`; the mask is cut alike), attended exactly. Salient tokens
     (`Visible.salient_*`) join the exact ones with their own mask columns, and their codes are masked out of the
     middle pass."""
@@ -171,8 +173,9 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     kv_heads = lp.keys.basis.heads
     mode = lp.patch.mode
     qg = q.float().reshape(batch, kv_heads, heads // kv_heads, -1)  # each KV head's query heads together
-    ns, nm = seen.sink_keys.shape[2], seen.middle_len
+    ns, nm, nn = seen.sink_keys.shape[2], seen.middle_len, seen.near_len
     middle = chosen is None and nm > 0
+    coded = (nm if middle else 0) + nn  # the mask's columns read from codes: the middle's, then the near tokens'
     salient = middle and seen.salient_len > 0  # each KV head's exact copies of middle tokens, read instead of codes
     if salient:
         chosen = (mode.exact_keys(lp, seen.salient_keys.float(), seen.salient_positions), seen.salient_values)
@@ -183,20 +186,18 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     values = [seen.sink_values.float(), chosen[1].float() if chosen is not None else None, seen.recent_values.float()]
     keys, values = (torch.cat([x for x in xs if x is not None], dim=2) for xs in (keys, values))
     scores = grouped_scores(qg, keys).float() * scaling  # [batch, kv_heads, groups, exact]
-    bias = None
+    bias, near_bias = None, None
     if mask is not None:
         columns_read = keys.shape[2] - (seen.salient_len if salient else 0)  # sinks, top-k's chosen, window
-        m = _additive(mask[..., : columns_read + (nm if middle else 0)])  # the mask's columns for these tokens
+        m = _additive(mask[..., : columns_read + coded])  # the mask's columns for these tokens
         per_head = m.shape[1] > 1
         m = m.view(m.shape[0], kv_heads, -1, m.shape[-1]) if per_head else m  # [batch, kv_heads or 1, groups or 1, n]
         if middle:
-            columns = m[..., ns:ns + nm]
-            bias = (columns[:, 0, 0] if not per_head else columns[:, :, 0]).contiguous()  # [batch, (kv_heads,) middle]
-            # one mask per query head: each KV head's query heads must agree, the kernel reads one per KV head
-            if per_head and not bool((columns == columns[:, :, :1]).all()):
-                raise PatchKVError("a decode step over the latent middle takes one mask per KV head; this mask "
-                                   "differs between query heads that share a KV head.")
-            exact = [m[..., :ns], m[..., ns + nm:]]
+            columns, bias = _coded_bias(m, ns, nm, per_head)
+        if nn:
+            near_bias = _coded_bias(m, ns + coded - nn, nn, per_head)[1]
+        if coded:
+            exact = [m[..., :ns], m[..., ns + coded:]]
             if salient:  # the salient tokens' own columns of the middle, per KV head
                 shape = (m.shape[0], kv_heads, m.shape[2])
                 exact = [exact[0].expand(*shape, -1), columns.expand(*shape, -1).gather(
@@ -207,21 +208,35 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
         hidden = torch.zeros(batch, kv_heads, nm, device=q.device) if bias is None else \
             (bias if bias.dim() == 3 else bias.unsqueeze(1)).expand(batch, kv_heads, nm).clone()
         bias = hidden.scatter_(2, seen.salient_index, torch.finfo(torch.float32).min)
+    # one pass over each coded region as stored (the middle, the near tokens with their own codecs): its running
+    # max, sum of exp and value coefficient sums
+    regions = ([(lp, seen, bias)] if middle else []) + ([(lp.near(), seen.near(), near_bias)] if nn else [])
+    passes = [(region_lp.values, *mode.middle_attend(region_lp, region, qg, region_bias, scaling))
+              for region_lp, region, region_bias in regions]
     top = scores.amax(-1)
-    if middle:  # one pass over the stored middle: its running max, sum of exp and value coefficient sums
-        m_mid, l_mid, sums = mode.middle_attend(lp, seen, qg, bias, scaling)
-        top = torch.maximum(top, m_mid)
+    for _, m_region, _, _ in passes:
+        top = torch.maximum(top, m_region)
     p = torch.exp(scores - top.unsqueeze(-1))
     total = p.sum(-1)
     out = p @ values
-    if middle:
-        codec = lp.values
-        weight = torch.exp(m_mid - top).nan_to_num(0.0)  # m_mid = -inf: every middle token masked
-        total = total + weight * l_mid
-        out = out + weight.unsqueeze(-1) * (sums @ codec.padded_rows + l_mid.unsqueeze(-1) *
+    for codec, m_region, l_region, sums in passes:
+        weight = torch.exp(m_region - top).nan_to_num(0.0)  # m_region = -inf: every token of the region masked
+        total = total + weight * l_region
+        out = out + weight.unsqueeze(-1) * (sums @ codec.padded_rows + l_region.unsqueeze(-1) *
                                              codec.kernel_mean.unsqueeze(1))
     out = out / total.unsqueeze(-1)
     return out.reshape(batch, 1, heads, -1).to(q.dtype)
+
+
+def _coded_bias(m: torch.Tensor, start: int, n: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask `m` `[batch, kv_heads or 1, groups or 1, columns]`'s columns `start:start + n` (a coded
+    region's) and the one row of them a pass over the region reads, `[batch, n]` or per KV head `[batch, kv_heads,
+    n]`: each KV head's query heads must agree."""
+    columns = m[..., start:start + n]
+    if per_head and not bool((columns == columns[:, :, :1]).all()):
+        raise PatchKVError("a decode step over the latent middle takes one mask per KV head; this mask differs between "
+                           "query heads that share a KV head.")
+    return columns, (columns[:, 0, 0] if not per_head else columns[:, :, 0]).contiguous()
 
 
 def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | None

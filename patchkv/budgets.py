@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from numbers import Integral
 
 from .allocation import code_bytes, default_pool, full_kv_bytes_per_token, held_tokens
-from .methods import Method, Quantized, Salience, SinksWindow, parse_method
+from .methods import Method, NearCodes, Quantized, Salience, SinksWindow, parse_method
 
 #: the sinks and recent window every budget keeps exact (and counts)
 EXACT = (4, 32)
@@ -73,10 +73,11 @@ def exact_tokens(held: int, context: int, sink_tokens: int, window: int) -> int:
 
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
                    window: int = EXACT[1], basis: str = "head", salience: Salience | None = None,
-                   priced: bool = False) -> int:
+                   priced: bool = False, near: NearCodes | None = None) -> int:
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
-    `salience`'s exact tokens) whose whole cache at `context` tokens (exact sinks and window in 16 bits, codes, the
-    salient tokens, positions) holds at most the 16-bit cache's bytes / `ratio` per token. Raises ValueError if even
+    `salience`'s exact tokens, or `near`'s tokens at its rate) whose whole cache at `context` tokens (exact sinks and
+    window in 16 bits, codes, the near codes, the salient tokens, positions) holds at most the 16-bit cache's bytes /
+    `ratio` per token. Raises ValueError if even
     1 bit per head does not fit, and a context that is not a positive integer (`check_context`). `priced`: for
     `Quantized(bits, pool, context=context)`, the pool priced by the tokens each layer holds."""
     check_context(context)
@@ -85,10 +86,16 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     held = held_tokens(artifact, context)
     exact = [exact_tokens(h, context, sink_tokens, window) for h in held]
     salient = salient_bytes(artifact, salience, context - min(sink_tokens + window, context))
+    # each layer's coded tokens: the newest `near.tokens` of them at the near rate, the others at the middle's
+    nearby = [0 if near is None else min(near.tokens, h - e) for h, e in zip(held, exact)]
+    price = context if priced else None
 
     def total(bits: int) -> float:
-        codes = sum((h - e) * b for h, e, b in zip(held, exact, code_bytes(artifact, bits, pool, basis,
-                                                                            context if priced else None)))
+        codes = sum((h - e - n) * b for h, e, n, b in zip(held, exact, nearby, code_bytes(artifact, bits, pool, basis,
+                                                                                          price)))
+        if near is not None:
+            finer = Quantized(bits, pool=pool, basis=basis).finer(artifact, near.factor).bits
+            codes += sum(n * b for n, b in zip(nearby, code_bytes(artifact, finer, pool, basis, price)))
         return (sum(exact) * layer_token + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
@@ -114,34 +121,39 @@ class Budget:
     pool: str | None = None
     basis: str = "head"
     salience: Salience | None = None
+    near: NearCodes | None = None
 
     def __str__(self) -> str:
         size = f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
-        return size + (f"+{self.salience.spec()}" if self.salience is not None else "")
+        return size + "".join(f"+{m.spec()}" for m in (self.near, self.salience) if m is not None)
 
     def quantized(self, artifact, context: int) -> Quantized:
         """The codes meeting this budget at `context` tokens (a positive integer, for bit budgets too)."""
         check_context(context)
         pool = self.pool or default_pool(artifact)
         bits = self.bits if self.bits is not None else bits_for_ratio(
-            artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience)
+            artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience, near=self.near)
         return Quantized(bits, pool=pool, basis=self.basis)
 
     def methods(self, artifact, context: int) -> list[Method]:
-        """[SinksWindow(*EXACT), Quantized(bits, pool)] (and the salience method) meeting this budget at `context`
-        tokens."""
-        return [SinksWindow(*EXACT), self.quantized(artifact, context), *([self.salience] if self.salience else [])]
+        """[SinksWindow(*EXACT), Quantized(bits, pool)] (and the near codes, the salience method) meeting this budget
+        at `context` tokens."""
+        return [SinksWindow(*EXACT), self.quantized(artifact, context),
+                *(m for m in (self.near, self.salience) if m is not None)]
 
 
 def parse_budget(text: str) -> Budget:
     """"8x" or "8" followed by x (a ratio > 1 against the 16-bit cache), or "119" (bits per KV head and token);
-    "+" and a salience method after either keeps its tokens exact out of the same budget: "16x+novelty",
-    "16x+novelty:fraction=0.01" (`patchkv.methods.parse_method`)."""
-    text, plus, salience = text.strip().lower().partition("+")
+    "+near" after either keeps the newest coded tokens at a higher rate out of the same budget ("16x+near",
+    "16x+near:tokens=480", `NearCodes`), "+" and a salience method keeps its tokens exact ("16x+novelty",
+    "16x+novelty:fraction=0.01"; `patchkv.methods.parse_method`)."""
+    text, plus, extra = text.strip().lower().partition("+")
     if plus:
-        method = parse_method(salience.strip())
+        method = parse_method(extra.strip())
+        if isinstance(method, NearCodes):
+            return replace(parse_budget(text), near=method)
         if not isinstance(method, Salience):
-            raise ValueError(f"budget {text + plus + salience!r}: after '+' comes a salience method (novelty, "
+            raise ValueError(f"budget {text + plus + extra!r}: after '+' comes near or a salience method (novelty, "
                              f"code_error, key_norm, attention_mass), not {method.name!r}.")
         return replace(parse_budget(text), salience=method)
     if re.fullmatch(r"\d+(\.\d+)?x", text):

@@ -5,11 +5,14 @@ pre-RoPE mode, rotated in post-RoPE mode):
 
     sink_keys, sink_values       [batch, kv_heads, sinks, head_dim]    exact
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
+    near_keys, near_values       [batch, 1, near, near width]          the newest codes, at the near rate
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
     salient_keys, salient_values [batch, kv_heads, s, head_dim]        exact copies of middle tokens (Salience)
     salient_index, salient_score [batch, kv_heads, s, 1]               their middle index (int32), score (float32)
 
-Unused regions are zero-sized, so there is one layout and one code path. A plan with a `Salience` method keeps,
+Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
+`near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
+older ones move on into the middle, coded again at its rate (decoded, then encoded). A plan with a `Salience` method keeps,
 per KV head, the middle tokens it scores highest exact as well (scored as they leave the window, the best
 `capacity(middle)` so far); attention reads those in place of their codes (`patchkv.operands.dense`, and the decode
 step's exact tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the
@@ -23,7 +26,8 @@ The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true pos
   true position), in the dtype of the new keys (the model's), assembled by `patchkv.operands.dense`;
 - `update_latent(...)`, the latent variant, returns the same tokens as a `patchkv.visible.Visible`: exact
   regions and the middle *as stored*, for attention that reads codes directly (decode steps, top-k);
-- `after_attention()` encodes whatever has left the window into the middle (with the layer's codecs).
+- `after_attention()` encodes whatever has left the window into the near region and the middle (with the layer's
+  codecs).
 
 Between forwards a layer holds exactly the sinks, the middle's latents and the last `window` tokens; later
 forwards read the middle from its latents. The cache also records the true position of every token
@@ -61,7 +65,8 @@ from .visible import Visible
 PAGE = 64
 SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score")
 #: every region a layer holds: sinks, middle and window, then a salience method's exact tokens
-REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT)
+NEAR = ("near_keys", "near_values")
+REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT, *NEAR)
 
 
 class PositionTrack:
@@ -103,7 +108,7 @@ class LatentLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, patch: LayerPatch, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
-                 track: PositionTrack | None = None, salience: Salience | None = None):
+                 track: PositionTrack | None = None, salience: Salience | None = None, near_tokens: int = 0):
         init_cache_layer(self)  # CacheLayerMixin.__init__ would assign .keys/.values, read-only views here
         self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
         # a sliding layer keeps its sinks exact while they are in its window, and at most `sliding_window - 1` recent
@@ -112,6 +117,7 @@ class LatentLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.salience = None if self.is_sliding else salience  # a sliding layer keeps only its last tokens
+        self.near_tokens = near_tokens
         self.track = track if track is not None else PositionTrack()
         self.tensors: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # the middle's storage, `tensors` its first tokens
@@ -148,7 +154,8 @@ class LatentLayer(CacheLayerMixin):
             self.tensors = {name: empty[name.split("_")[1]] for name in ("sink_keys", "sink_values", "recent_keys",
                                                                           "recent_values")}
             self.tensors.update(no_salient(keys, values))
-            for name, codec in zip(("latent_keys", "latent_values"), (self.patch.keys, self.patch.values)):
+            for name, codec in zip(("latent_keys", "latent_values", *NEAR), (self.patch.keys, self.patch.values,
+                                                                             self.patch.near_keys, self.patch.near_values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
         t = self.tensors
@@ -176,6 +183,9 @@ class LatentLayer(CacheLayerMixin):
         t = self.tensors
         start = self.middle_len
         exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
+        if self.near_tokens:
+            self._encode_near(exact)
+            return
         stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)]
         if self.salience is not None:
             if observed is not None:  # the leaving tokens as this forward's queries read them
@@ -185,6 +195,28 @@ class LatentLayer(CacheLayerMixin):
                 self._keep_salient(*exact, stored, start, observed)
         for kind, encoded in zip(("keys", "values"), stored):
             self._grow(f"latent_{kind}", encoded)
+            t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
+
+    def _encode_near(self, exact: list[torch.Tensor]) -> None:
+        """The tokens leaving the window, exact keys and values `[batch, kv_heads, n, head_dim]`: the last
+        `near_tokens` of the near region and these stay there (the newcomers coded at the near rate); the older ones
+        move into the middle, near codes decoded and coded again at the middle's rate, newcomers that do not stay
+        coded at that rate straight from their exact values."""
+        t, lp = self.tensors, self.patch
+        held, leaving = self.near_len, exact[0].shape[2]
+        moving = max(0, held + leaving - self.near_tokens)  # the oldest of the near region and the newcomers
+        recoded, direct = min(moving, held), moving - min(moving, held)
+        for kind, x in zip(("keys", "values"), exact):
+            middle, near = getattr(lp, kind), getattr(lp, f"near_{kind}")
+            name = f"near_{kind}"
+            parts = []
+            if recoded:
+                parts.append(middle.encode(near.basis.reconstruct(near.decode(t[name][:, :, :recoded])).to(x.dtype)))
+            if direct:
+                parts.append(middle.encode(x[:, :, :direct]))
+            if parts:
+                self._grow(f"latent_{kind}", parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+            t[name] = torch.cat([t[name][:, :, recoded:], near.encode(x[:, :, direct:])], dim=2)
             t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
 
     def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor], start: int,
@@ -240,7 +272,7 @@ class LatentLayer(CacheLayerMixin):
         """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, the middle
         into a new paged buffer, so the dropped ones and the old buffer are freed; the window is never longer than
         n)."""
-        for region, drop in zip(("sink", "latent"), self._oldest(self.kept - n)):
+        for region, drop in zip(("sink", "latent", "near"), self._oldest(self.kept - n)):
             if drop:
                 for kind in ("keys", "values"):
                     name = f"{region}_{kind}"
@@ -250,17 +282,19 @@ class LatentLayer(CacheLayerMixin):
                     else:
                         self.tensors[name] = kept.clone()
 
-    def _oldest(self, excess: int) -> tuple[int, int]:
-        """(sinks, middle tokens) to drop so that `excess` of the oldest tokens go."""
+    def _oldest(self, excess: int) -> tuple[int, int, int]:
+        """(sinks, middle tokens, near tokens) to drop so that `excess` of the oldest tokens go."""
         excess = max(0, excess)
         sinks = min(excess, self.tensors["sink_keys"].shape[2])
-        return sinks, excess - sinks
+        middle = min(excess - sinks, self.tensors["latent_keys"].shape[2])
+        return sinks, middle, excess - sinks - middle
 
     # ----- reading ----------------------------------------------------------------------------------
     @property
     def kept(self) -> int:
         """Tokens held (all of them, or the last ones of a sliding layer)."""
-        return sum(self.tensors[n].shape[2] for n in ("sink_keys", "latent_keys", "recent_keys")) if self.tensors else 0
+        return sum(self.tensors[n].shape[2] for n in ("sink_keys", "latent_keys", "near_keys", "recent_keys")) \
+            if self.tensors else 0
 
     def visible(self, query_len: int) -> Visible:
         """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and recent region
@@ -276,13 +310,16 @@ class LatentLayer(CacheLayerMixin):
         positions."""
         t = dict(self.tensors)
         if kept < self.kept:
-            for region, drop in zip(("sink", "latent"), self._oldest(self.kept - kept)):
+            for region, drop in zip(("sink", "latent", "near"), self._oldest(self.kept - kept)):
                 for kind in ("keys", "values"):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
-        ns, nr = t["sink_keys"].shape[2], t["recent_keys"].shape[2]
-        sink_pos, middle_pos, recent_pos = self._positions(kept).split([ns, kept - ns - nr, nr], dim=1)
+        ns, nn, nr = t["sink_keys"].shape[2], t["near_keys"].shape[2], t["recent_keys"].shape[2]
+        sink_pos, middle_pos, near_pos, recent_pos = self._positions(kept).split([ns, kept - ns - nn - nr, nn, nr], dim=1)
         seen = Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
                        t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, recent_pos)
+        if nn:
+            seen.near_keys, seen.near_values = t["near_keys"].squeeze(1), t["near_values"].squeeze(1)
+            seen.near_positions = near_pos
         if t["salient_keys"].shape[2]:
             index = t["salient_index"].squeeze(-1).long()
             seen.salient_keys, seen.salient_values, seen.salient_index = t["salient_keys"], t["salient_values"], index
@@ -304,6 +341,10 @@ class LatentLayer(CacheLayerMixin):
     @property
     def salient_len(self) -> int:
         return self.tensors["salient_keys"].shape[2] if self.tensors else 0
+
+    @property
+    def near_len(self) -> int:
+        return self.tensors["near_keys"].shape[2] if self.tensors else 0
 
     @property
     def window_len(self) -> int:
@@ -387,9 +428,9 @@ class LatentLayer(CacheLayerMixin):
         if self.is_sliding and self.cumulative_length >= self.sliding_window and not self.record_past:
             raise PatchKVError("This sliding-window latent layer no longer holds the tokens to crop; call "
                                "cache.activate_past_recording() before generating if you need to roll back.")
-        for region in ("recent", "latent", "sink"):
+        for region in ("recent", "near", "latent", "sink"):
             n = min(remove, self.tensors[f"{region}_keys"].shape[2])
-            if n:  # the middle stays a view of its buffer (the next tokens are written after it); exact regions are
+            if n:  # the middle stays a view of its buffer (the next tokens are written after it); other regions are
                 for kind in ("keys", "values"):  # copied out, so the tokens cropped from them are freed
                     kept = self.tensors[f"{region}_{kind}"][:, :, :-n]
                     self.tensors[f"{region}_{kind}"] = kept if region == "latent" else kept.clone()
@@ -430,8 +471,8 @@ class LatentCache(Cache):
                                "first (an unpatched model uses transformers' DynamicCache).")
         self.track = PositionTrack()
         plan = patch.plan
-        layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track, plan.salience)
-                  for lp in patch.layers]
+        layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track, plan.salience,
+                              plan.near_tokens) for lp in patch.layers]
         super().__init__(layers=layers)
         self.offload_layers = offloading
         self.fingerprint = patch.fingerprint
@@ -531,6 +572,12 @@ def no_salient(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tens
     return {"salient_keys": _empty(keys), "salient_values": _empty(values),
             "salient_index": keys.new_zeros(shape, dtype=torch.int32),
             "salient_score": keys.new_zeros(shape, dtype=torch.float32)}
+
+
+def no_near(lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Empty near regions (as `lp`'s near codecs store them) for a layer whose keys and values are like `keys`,
+    `values` `[batch, kv_heads, n, head_dim]` (a cache file written before near regions existed)."""
+    return {"near_keys": lp.near_keys.encode(_empty(keys)), "near_values": lp.near_values.encode(_empty(values))}
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:

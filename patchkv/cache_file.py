@@ -12,31 +12,32 @@ over the codes, laid out byte column by byte column (each column holds the same 
 takes back what the fixed rate spends on unlikely levels. Only packed codes (uint8 middles) are compressed; the
 exact sinks and window, low-rank latents and positions are stored as they are.
 
-Format (version 2)
+Format (version 3)
 ==================
 One safetensors file. Tensors, for each layer `i` and each region `r` of `patchkv.cache.REGIONS`:
 
     positions          int32 [batch, seen]      true position of every token (the cache's position track)
     layers.{i}.{r}     the region as held       encoding "raw" (the salient regions of a `Salience` method:
                                                 exact keys and values, int32 middle index, float32 score, each
-                                                `[batch, kv_heads, s, ...]`; zero-sized without one)
+                                                `[batch, kv_heads, s, ...]`; zero-sized without one; the near
+                                                regions of `NearCodes`, zero-sized without it)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
 
-The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 2; `fingerprint`, the
+The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 3; `fingerprint`, the
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
 and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
 
 `load_cache` reads tensors and JSON only (nothing is executed) and checks the whole file against the model's patch
 from its header before it reads a tensor; it raises `PatchKVError` naming what differs (what it found, what the
-patch holds) unless: the entry is there at version 2 (or 1, written before the salient regions existed: read with
-none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
+patch holds) unless: the entry is there at version 3 (2, written before the near regions existed, or 1, before the
+salient regions too: read with none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
 layer holds all its regions (or none does, for an empty cache) and all have seen the same number of tokens, which is
 the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
 and those are what the layer's patch holds: exact regions in the patch's dtype `[batch, kv_heads, n, head_dim]`, the
-middle in its codec's stored dtype and width `[batch, 1, m, width]`, salient indices int32 and scores float32, one
+middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient indices int32 and scores float32, one
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
-sinks, at most `window` recent tokens, every token seen in a full layer and at least the last `sliding_window - 1`
+sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
 in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
 into the middle; every true position lies in [0, limit), limit the model's `max_position_embeddings` or, past it,
 the tokens seen; deflated regions inflate to exactly their declared bytes with their crc32.
@@ -59,14 +60,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import REGIONS, SALIENT, LatentCache, LatentLayer, no_salient
+from .cache import NEAR, REGIONS, SALIENT, LatentCache, LatentLayer, no_near, no_salient
 from .errors import PatchKVError
 from .lossless import InflateError, check_compress, deflate, inflate
 
 FORMAT = "patchkv_cache"
-VERSION = 2
-#: versions load_cache reads: 1 has no salient regions
-READABLE = (1, 2)
+VERSION = 3
+#: versions load_cache reads: 2 has no near regions, 1 no salient regions either
+READABLE = (1, 2, 3)
 ENCODINGS = ("raw", "deflate")
 #: the dtypes a region may be stored in, by their names in the metadata and in the safetensors header
 _SAFETENSORS = {torch.uint8: "U8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
@@ -108,13 +109,14 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
         for name in REGIONS if layer.is_initialized else ():
             t = layer.tensors[name].detach().cpu().contiguous()
             entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "encoding": "raw"}
-            if compress and name.startswith("latent") and t.dtype == torch.uint8 and t.numel():
+            coded = name.startswith(("latent", "near")) and t.dtype == torch.uint8
+            if compress and coded and t.numel():
                 raw = t.squeeze(1).transpose(1, 2).contiguous().numpy().tobytes()  # [batch, width, seq]
                 packed = deflate(raw, level)
                 code_bytes, stored = code_bytes + len(raw), stored + len(packed)
                 entry.update(encoding="deflate", crc32=zlib.crc32(raw))
                 t = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-            elif name.startswith("latent") and t.dtype == torch.uint8:
+            elif coded:
                 code_bytes, stored = code_bytes + t.nbytes, stored + t.nbytes
             tensors[f"layers.{i}.{name}"] = t
             regions[name] = entry
@@ -150,6 +152,8 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
             continue
         held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in regions}
         held.update(_salient(path, i, held))
+        if "near_keys" not in held:
+            held.update(no_near(layer.patch, held["sink_keys"], held["sink_values"]))
         layer.tensors = {name: t.to(device) for name, t in held.items()}
         layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
     if "positions" in tensors:
@@ -228,7 +232,8 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
     least the last `sliding_window - 1` in a sliding one), exact copies of middle tokens only with a salience
     method. Returns the tensor names."""
     regions = entry["regions"]
-    expected = REGIONS if version == 2 else tuple(r for r in REGIONS if r not in SALIENT)
+    missing = {3: (), 2: NEAR, 1: (*NEAR, *SALIENT)}[version]  # regions a file of that version was written without
+    expected = tuple(r for r in REGIONS if r not in missing)
     if set(regions) != set(expected):
         raise _damaged(path, f"layer {i} holds regions {sorted(regions)}, expected {list(expected)}")
     for name in expected:
@@ -242,7 +247,7 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
                                  f"there as {want_dtype} [{b}, {heads}, tokens, {width}]")
     tokens = {name: regions[name]["shape"][2] for name in expected}
     for group in (("sink_keys", "sink_values"), ("latent_keys", "latent_values"), ("recent_keys", "recent_values"),
-                  tuple(n for n in SALIENT if n in tokens)):
+                  tuple(n for n in SALIENT if n in tokens), tuple(n for n in NEAR if n in tokens)):
         if len({tokens[n] for n in group}) > 1:
             raise _damaged(path, f"layer {i}'s regions {list(group)} hold different numbers of tokens "
                                  f"{[tokens[n] for n in group]}")
@@ -260,8 +265,9 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
              for kind in ("keys", "values")}
     patterns = {f"{region}_{kind}": exact[kind] for region in ("sink", "recent", "salient") for kind in exact}
     for kind in ("keys", "values"):
-        codec = getattr(lp, kind)
-        patterns[f"latent_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width), f"the {kind}' {codec.describe()}")
+        for region, codec in (("latent", getattr(lp, kind)), ("near", getattr(lp, f"near_{kind}"))):
+            patterns[f"{region}_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width),
+                                            f"the {kind}' {codec.describe()}")
     patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient middle indices")
     patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
     return patterns
@@ -270,7 +276,8 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
 def _check_counts(path: Path, i: int, layer: LatentLayer, seen: int, tokens: dict[str, int]) -> None:
     """Layer `i`'s token counts (`tokens`: each region's) are what it keeps after `seen` tokens (see `_check_layer`)."""
     sinks, middle, recent = tokens["sink_keys"], tokens["latent_keys"], tokens["recent_keys"]
-    salient, kept = tokens.get("salient_keys", 0), sinks + middle + recent
+    salient, near = tokens.get("salient_keys", 0), tokens.get("near_keys", 0)
+    kept = sinks + middle + near + recent
     if layer.is_sliding:
         held = f"at least {min(seen, layer.sliding_window - 1)} and at most {seen} tokens (sliding window " \
                f"{layer.sliding_window}), at most {min(layer.sink_tokens, seen)} sinks"
@@ -279,10 +286,11 @@ def _check_counts(path: Path, i: int, layer: LatentLayer, seen: int, tokens: dic
         held = f"all {seen} tokens, {min(layer.sink_tokens, seen)} of them sinks"
         ok = sinks == min(layer.sink_tokens, seen) and kept == seen
     capacity = "none" if layer.salience is None else f"at most the {middle} middle tokens"
-    if not ok or recent > layer.window or salient > (0 if layer.salience is None else middle):
-        raise _damaged(path, f"layer {i} holds {sinks} sinks, {middle} middle, {recent} recent and {salient} salient "
-                             f"tokens after {seen} seen; under this patch it holds {held}, at most {layer.window} "
-                             f"recent, salient copies: {capacity}")
+    if not ok or recent > layer.window or near > layer.near_tokens or \
+            salient > (0 if layer.salience is None else middle):
+        raise _damaged(path, f"layer {i} holds {sinks} sinks, {middle} middle, {near} near, {recent} recent and "
+                             f"{salient} salient tokens after {seen} seen; under this patch it holds {held}, at most "
+                             f"{layer.window} recent and {layer.near_tokens} near, salient copies: {capacity}")
 
 
 def _metadata(path: Path, text: str | None) -> dict:

@@ -42,30 +42,53 @@ class Patch:
         its old dtype and is refused by its layers."""
         if dtype == self.dtype:
             return
-        codecs = self.plan.codec.codecs(self.artifact, self.query_groups, dtype)
-        for lp, (keys, values) in zip(self.layers, codecs):
-            lp.keys, lp.values, lp.device = keys, values, None
+        codecs, near = self.codecs(dtype)
+        for lp, (keys, values), (near_keys, near_values) in zip(self.layers, codecs, near):
+            lp.keys, lp.values, lp.near_keys, lp.near_values, lp.device = keys, values, near_keys, near_values, None
             lp.rope.reset()
         self.dtype = dtype
+
+    def codecs(self, dtype: torch.dtype) -> tuple[list[tuple[Codec, Codec]], list[tuple[Codec, Codec]]]:
+        """Every layer's (key, value) codecs for a model computing in `dtype`, for the middle and for the near tokens
+        (the middle's own where the plan keeps no near tokens)."""
+        codecs = self.plan.codec.codecs(self.artifact, self.query_groups, dtype)
+        if self.plan.near is None:
+            return codecs, codecs
+        finer = self.plan.codec.finer(self.artifact, self.plan.near.factor)
+        return codecs, finer.codecs(self.artifact, self.query_groups, dtype)
 
 
 @dataclass
 class LayerPatch:
-    """One attention module's codecs and rotary table, moved lazily to the device the layer computes on."""
+    """One attention module's codecs and rotary table, moved lazily to the device the layer computes on: `keys`,
+    `values` code the middle, `near_keys`, `near_values` the near tokens (`NearCodes`; the same codecs without)."""
 
     patch: Patch
     layer_idx: int
     keys: Codec
     values: Codec
     rope: RopeTable
+    near_keys: Codec | None = None
+    near_values: Codec | None = None
     device: torch.device | None = None
+
+    def __post_init__(self):
+        self.near_keys = self.keys if self.near_keys is None else self.near_keys
+        self.near_values = self.values if self.near_values is None else self.near_values
 
     def on(self, device: torch.device) -> LayerPatch:
         if self.device != device:
-            self.keys.to(device)
-            self.values.to(device)
+            for codec in {id(c): c for c in (self.keys, self.values, self.near_keys, self.near_values) if c}.values():
+                codec.to(device)
             self.device = device
         return self
+
+    def near(self) -> LayerPatch:
+        """This layer with the near tokens' codecs in place of the middle's: what reads the near tokens as a middle
+        of their own (`Visible.near`) codes and scores them with."""
+        if self.near_keys is self.keys:
+            return self
+        return LayerPatch(self.patch, self.layer_idx, self.near_keys, self.near_values, self.rope, device=self.device)
 
     @property
     def sliding_window(self) -> int | None:

@@ -2,7 +2,7 @@
 the middle as stored):
 
 - `dense`: the visible tokens as attention reads them, keys and values `[batch, kv_heads, n, head_dim]`: the
-  mode's keys (rotated pre-RoPE), the middle rebuilt from what is stored, each KV head's salient tokens written in
+  mode's keys (rotated pre-RoPE), the middle and the near tokens rebuilt from what is stored, each KV head's salient tokens written in
   place of their codes (`overlay`), or top-k's chosen tokens in place of the middle. The operands of a forward of
   several queries (`patchkv.attention`), and what `LatentLayer.update` returns (the `transformers` layer contract);
 - `unpatched`: a layer's keys or values as the unpatched model would hold them (`LatentLayer.keys` / `.values`).
@@ -22,7 +22,8 @@ from .visible import Visible
 def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
           chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The visible tokens as attention reads them: keys (rotated as the mode wants, the middle rebuilt from what is
-    stored) and values, `[batch, kv_heads, n, head_dim]` in `dtype`, sinks, middle and window in position order.
+    stored) and values, `[batch, kv_heads, n, head_dim]` in `dtype`, sinks, middle, near tokens and window in position
+    order.
     chosen: the middle's keys and values replaced by each KV head's selected tokens (top-k)."""
     mode = lp.patch.mode
     if chosen is not None:
@@ -35,9 +36,14 @@ def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
             middle_values = overlay(middle_values, seen.salient_values.to(dtype), seen.salient_index)
     else:
         middle_keys = middle_values = None
-    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys,
+    near_keys = near_values = None
+    if seen.near_len:  # the near tokens, a middle of their own read with the near codecs
+        near_lp, near = lp.near(), seen.near()
+        near_keys, near_values = mode.middle_keys(near_lp, near, dtype), rebuild(near_lp.values, near.middle_values,
+                                                                                  dtype)
+    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys, near_keys,
             mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
-    values = [seen.sink_values.to(dtype), middle_values, seen.recent_values.to(dtype)]
+    values = [seen.sink_values.to(dtype), middle_values, near_values, seen.recent_values.to(dtype)]
     return _joined(keys), _joined(values)
 
 
@@ -50,9 +56,13 @@ def unpatched(lp: LayerPatch, held: Visible, kind: str) -> torch.Tensor:
     middle = rebuild(codec, middle, sinks.dtype)
     if held.salient_len:
         middle = overlay(middle, getattr(held, f"salient_{kind}"), held.salient_index)
-    full = torch.cat([sinks, middle, recent], dim=2)
+    parts, positions = [sinks, middle], [held.sink_positions, held.middle_positions]
+    if held.near_len:
+        parts.append(rebuild(getattr(lp, f"near_{kind}"), getattr(held, f"near_{kind}"), sinks.dtype))
+        positions.append(held.near_positions)
+    full = torch.cat([*parts, recent], dim=2)
     if kind == "keys":
-        positions = torch.cat([held.sink_positions, held.middle_positions, held.recent_positions], dim=1)
+        positions = torch.cat([*positions, held.recent_positions], dim=1)
         full = lp.patch.mode.cached_keys_as_rotated(lp, full, positions)
     return full
 

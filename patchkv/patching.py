@@ -74,7 +74,6 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
                            "or 'eager'.")
     modules = attention_modules(model, adapter)
     groups, dtype = [adapter.query_groups(m) for m in modules], adapter.dtype(modules[0])
-    codecs = plan.codec.codecs(artifact, groups, dtype)
     rotary = adapter.rotary_embedding(model)
     if artifact.mode == "pre_rope" and (kind := length_dependent(rotary)):
         raise PatchKVError(f"pre-RoPE mode cannot rotate cached keys exactly under rope_type={kind!r}: its frequencies "
@@ -87,8 +86,9 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
     digest = hashlib.sha256(f"{artifact.metadata()['checksum']}|{artifact.mode}|{plan.describe()}".encode()).hexdigest()
     patch = Patch(adapter, MODES[artifact.mode], plan, artifact, f"sha256:{digest}",
                   [adapter.sliding_window(m) for m in modules], dtype=dtype, query_groups=groups)
-    layer_patches = [LayerPatch(patch, attn.layer_idx, keys, values, tables[adapter.rope_key(attn)])
-                     for attn, (keys, values) in zip(modules, codecs)]
+    codecs, near = patch.codecs(dtype)
+    layer_patches = [LayerPatch(patch, attn.layer_idx, keys, values, tables[adapter.rope_key(attn)], *near_pair)
+                     for attn, (keys, values), near_pair in zip(modules, codecs, near)]
     patch.layers = layer_patches
     try:
         _install(model, patch, modules, layer_patches)

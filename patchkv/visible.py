@@ -13,14 +13,16 @@ from .methods import Observation
 
 @dataclass
 class Visible:
-    """What one attention step reads, in position order (sinks, middle, window).
+    """What one attention step reads, in position order (sinks, middle, near, window).
 
     sink_*/recent_*: exact `[batch, kv_heads, n, head_dim]` in cache space; middle_keys/middle_values: the middle
     as stored, `[batch, m, width]` (fixed-rate codes or packed floats, read through `patchkv.kernels`);
-    *_positions: true positions `[batch, n]`. salient_*: the middle tokens each KV head also holds exact
-    (`patchkv.methods.Salience`), `[batch, kv_heads, s, head_dim]` in cache space, at middle indices
-    `salient_index` int64 `[batch, kv_heads, s]` and true positions `salient_positions` `[batch, kv_heads, s]`; None
-    where the plan keeps none. Attention reads them in place of their codes.
+    near_keys/near_values: the newest coded tokens at the near rate (`patchkv.methods.NearCodes`), `[batch, n,
+    near width]` as stored, None where the plan keeps none; *_positions: true positions `[batch, n]`. salient_*: the
+    middle tokens each KV head also holds exact (`patchkv.methods.Salience`), `[batch, kv_heads, s, head_dim]` in
+    cache space, at middle indices `salient_index` int64 `[batch, kv_heads, s]` and true positions
+    `salient_positions` `[batch, kv_heads, s]`; None where the plan keeps none. Attention reads them in place of
+    their codes.
     """
 
     sink_keys: torch.Tensor
@@ -36,10 +38,25 @@ class Visible:
     salient_values: torch.Tensor | None = None
     salient_index: torch.Tensor | None = None
     salient_positions: torch.Tensor | None = None
+    near_keys: torch.Tensor | None = None
+    near_values: torch.Tensor | None = None
+    near_positions: torch.Tensor | None = None
 
     @property
     def middle_len(self) -> int:
         return self.middle_keys.shape[1]
+
+    @property
+    def near_len(self) -> int:
+        return 0 if self.near_keys is None else self.near_keys.shape[1]
+
+    def near(self) -> Visible:
+        """The near tokens as a step with them for its middle and no exact tokens: what the mode's middle readers
+        (`middle_keys`, `middle_attend`) read them through, with the layer's near codecs (`LayerPatch.near`)."""
+        none = self.sink_keys[:, :, :0]
+        at = self.sink_positions[:, :0]
+        return Visible(none, self.sink_values[:, :, :0], none, self.sink_values[:, :, :0], self.near_keys,
+                       self.near_values, at, self.near_positions, at)
 
     @property
     def salient_len(self) -> int:

@@ -110,17 +110,20 @@ def test_salient_regions_are_checked_and_a_version_1_file_loads_with_none(tmp_pa
                   metadata={FORMAT: json.dumps(meta)})
         with pytest.raises(patchkv.PatchKVError, match="layer 1's salient regions"):
             load_cache(model, tmp_path / "far.safetensors")
-    with patchkv.patched(model, artifact, methods[:2]):  # written before salient regions existed
-        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "v2.safetensors")
+    with patchkv.patched(model, artifact, methods[:2]):  # written before near (version 2) and salient (1) regions
+        saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "v3.safetensors")
         with safe_open(str(saved.path), framework="pt") as f:
             meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
-        meta["format_version"] = 1
-        for layer in meta["layers"]:
-            layer["regions"] = {k: v for k, v in layer["regions"].items() if not k.startswith("salient")}
-        save_file({k: t for k, t in tensors.items() if ".salient_" not in k}, str(tmp_path / "v1.safetensors"),
-                  metadata={FORMAT: json.dumps(meta)})
-        restored = load_cache(model, tmp_path / "v1.safetensors")
-        assert restored.nbytes() == saved.held_bytes and all(layer.salient_len == 0 for layer in restored.layers)
+        for version, absent in ((2, ("near_",)), (1, ("near_", "salient_"))):
+            old = json.loads(json.dumps(meta))
+            old["format_version"] = version
+            for layer in old["layers"]:
+                layer["regions"] = {k: v for k, v in layer["regions"].items() if not k.startswith(absent)}
+            save_file({k: t for k, t in tensors.items() if not any(f".{a}" in k for a in absent)},
+                      str(tmp_path / f"v{version}.safetensors"), metadata={FORMAT: json.dumps(old)})
+            restored = load_cache(model, tmp_path / f"v{version}.safetensors")
+            assert restored.nbytes() == saved.held_bytes
+            assert all(layer.salient_len == layer.near_len == 0 for layer in restored.layers)
 
 
 def edited(path, out, edit) -> str:

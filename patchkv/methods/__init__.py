@@ -15,14 +15,15 @@ from .base import CachePlan, CodecMethod, Method, Observation, Salience, Selecto
 from .code_error import CodeError
 from .key_norm import KeyNorm
 from .lowrank import LowRank
+from .near import NearCodes
 from .novelty import Novelty
 from .quantized import Quantized
 from .sinks_window import SinksWindow
 from .topk import TopK
 
 #: name -> method class; `patchkv eval --method NAME:field=value,...` and the evals look methods up here.
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (AttentionMass, CodeError, KeyNorm, LowRank, Novelty,
-                                                               Quantized, SinksWindow, TopK)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (AttentionMass, CodeError, KeyNorm, LowRank, NearCodes,
+                                                               Novelty, Quantized, SinksWindow, TopK)}
 
 
 def parse_method(spec: str) -> Method:
@@ -76,6 +77,10 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
     if "salience" in seen and "selection" in seen:
         raise ValueError(f"{seen['salience'].spec()} and {seen['selection'].spec()} cannot be combined: a decode step "
                          "reads either the chosen tokens or the exact salient ones; pass one of them.")
+    if "near" in seen and ("salience" in seen or "selection" in seen):
+        other = seen.get("salience") or seen["selection"]
+        raise ValueError(f"{seen['near'].spec()} and {other.spec()} cannot be combined yet: near codes are read as a "
+                         "region of their own, which top-k selection and salient tokens do not know; pass one of them.")
     plan = CachePlan(codec=LowRank(), methods=methods)
     for m in methods:
         plan = m.configure(plan)
@@ -83,5 +88,5 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
 
 
 __all__ = ["METHODS", "AttentionMass", "CachePlan", "CodeError", "CodecMethod", "KeyNorm", "LowRank", "Method",
-           "Novelty", "Observation", "Quantized", "Salience", "Selector", "SinksWindow", "TopK", "build_plan",
+           "NearCodes", "Novelty", "Observation", "Quantized", "Salience", "Selector", "SinksWindow", "TopK", "build_plan",
            "from_options", "parse_method"]

@@ -6,7 +6,8 @@ A plan says what the cache stores and how attention reads it:
 - `sink_tokens` / `window`: the first and the last tokens kept as exact K/V (`SinksWindow`);
 - `selector`: decode-time token selection over the latent middle (`TopK`);
 - `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`Salience`:
-  `Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`).
+  `Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`);
+- `near`: the newest coded tokens kept at a higher rate than the rest of the middle (`NearCodes`).
 
 A new method is one file in this folder: a dataclass subclassing `Method` with a `name`, validated fields
 and `configure`, registered in `patchkv/methods/__init__.py`. The CLI and the evals read that registry.
@@ -55,6 +56,11 @@ class CodecMethod(Method):
     def codecs(self, artifact: Artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
         """One (key codec, value codec) per layer, for a model computing in `dtype`."""
         raise NotImplementedError
+
+    def finer(self, artifact: Artifact, factor: int) -> CodecMethod:
+        """This codec at `factor` times its rate (what `NearCodes` stores its tokens with); a codec without a rate
+        refuses."""
+        raise ValueError(f"{self.spec()} has no rate to raise: near codes (NearCodes) need a Quantized codec.")
 
     def configure(self, plan: CachePlan) -> CachePlan:
         return replace(plan, codec=self)
@@ -172,7 +178,13 @@ class CachePlan:
     window: int = 0
     selector: Selector | None = None
     salience: Salience | None = None
+    near: Method | None = None  # a `NearCodes`
     methods: tuple[Method, ...] = field(default=())
+
+    @property
+    def near_tokens(self) -> int:
+        """How many of the newest coded tokens each layer holds at the near rate (0: none)."""
+        return 0 if self.near is None else self.near.tokens
 
     def describe(self) -> str:
         return " + ".join(m.spec() for m in self.methods)

@@ -26,11 +26,12 @@ Two bases (`basis`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..allocation import BASES, POOLS, bit_allocation, layer_bit_allocation, step_scales_for
+from ..artifact_format import MAX_BITS
 from ..kernels import ops as kernels
 from ..kernels.reference import ComponentTable
 from ..latent import Codec, LatentBasis, LayerBasis
@@ -125,6 +126,10 @@ class Quantized(CodecMethod):
         return (f"quantized:bits={self.bits}" + ("" if self.pool == "head" else f",pool={self.pool}")
                 + ("" if self.basis == "head" else f",basis={self.basis}")
                 + ("" if self.context is None else f",context={self.context}"))
+
+    def finer(self, artifact, factor: int) -> Quantized:
+        """`factor` times the bits (at most every component at the most bits), the same pool, basis and pricing."""
+        return replace(self, bits=min(self.bits * factor, artifact.head_dim * MAX_BITS))
 
     def codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
         if self.basis == "layer":

@@ -1,0 +1,38 @@
+"""`NearCodes`: the newest coded tokens, those that just left the window, at a higher rate than the rest.
+
+    position:  0 .. sinks-1 | ...            | the `tokens` before the window   | the last `window`
+    stored as: exact K/V    | codes          | codes at `factor` x the bits     | exact K/V
+
+Attention reads the tokens just behind the window more than older ones, and codes blur every token alike. On 4,096
+tokens of SmolLM2's calibration text at 16x (the shipped bases), the newest 224, 480 or 960 coded tokens at twice
+the bits, the rest a little coarser to pay for them, take perplexity from +14.1% to +11.5%, +9.0% and +7.2%: the
+default keeps 960. As tokens leave the window they are coded at the near rate; once more than `tokens` are held
+there, the oldest are coded again at the middle's rate (decoded, then encoded on the same basis). A budget pays for
+them (`parse_budget("16x+near")`): the middle's bits are what is left.
+
+Needs a codec with a rate (`Quantized`); not combined with a `Salience` method or a `Selector` (refused when the
+plan is built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .base import CachePlan, Method, check_int
+
+
+@dataclass(frozen=True)
+class NearCodes(Method):
+    """The newest `tokens` coded tokens of each layer at `factor` times the bits of the rest of the middle."""
+
+    name = "near"
+    role = "near"
+    tokens: int = 960
+    factor: int = 2
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", check_int("near", "tokens", self.tokens, 1))
+        object.__setattr__(self, "factor", check_int("near", "factor", self.factor, 1))
+
+    def configure(self, plan: CachePlan) -> CachePlan:
+        return replace(plan, near=self)

@@ -1,0 +1,148 @@
+"""`NearCodes`: the newest coded tokens of each layer at a higher rate than the rest of the middle.
+
+At the middle's own rate (factor 1) the cache holds and reads exactly what it does without them; at a higher rate
+both attention paths (dense operands and decode steps) read the near region with its own codecs, the newest tokens
+stay there and older ones move on into the middle; its bytes are counted and budgets pay for them; saved caches keep
+it; generation modes that reorder, crop or batch the cache keep it consistent; sliding layers hold their last
+tokens through it.
+"""
+
+import pytest
+import torch
+from conftest import calibration_ids, make_model
+from test_fast_decode import check_decode
+
+import patchkv
+from patchkv.budgets import Budget, parse_budget, sixteen_bit_bytes
+from patchkv.methods import build_plan
+
+REGIONS = [patchkv.SinksWindow(2, 3), patchkv.Quantized(20)]
+
+
+def lossy(family="llama", mode="pre_rope", dtype=torch.float32):
+    model = make_model(family, dtype=dtype)
+    rank = model.model.layers[0].self_attn.head_dim // 2
+    return model, patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False)
+
+
+def continued(model, art, methods, ids):
+    """Logits of `ids`' last 8 tokens read after the rest went through the cache, and a greedy continuation."""
+    with patchkv.patched(model, art, methods):
+        cache = model(ids[:, :-8], use_cache=True).cache
+        logits = model(ids[:, -8:], cache=cache, use_cache=True).logits
+        return logits, model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+def test_at_the_middles_rate_near_codes_change_nothing(family, mode):
+    model, art = lossy(family, mode)
+    ids = calibration_ids(2, 40, seed=3)
+    plain = continued(model, art, REGIONS, ids)
+    same = continued(model, art, [*REGIONS, patchkv.NearCodes(8, factor=1)], ids)
+    finer = continued(model, art, [*REGIONS, patchkv.NearCodes(8, factor=2)], ids)
+    assert torch.equal(plain[0], same[0]) and torch.equal(plain[1], same[1])
+    assert (plain[0] - finer[0]).abs().max() > 1e-4
+
+
+def test_the_newest_tokens_stay_near_at_the_finer_rate():
+    """Post-RoPE (cache space is what the unpatched model caches): after a prefill and every decode step the last 8
+    coded tokens are near, read closer to the exact keys than the middle's codes (layer 0, whose keys do not depend
+    on the cache); the middle holds the rest, coded again at its rate as they moved on."""
+    model, art = lossy(mode="post_rope")
+    ids = calibration_ids(1, 40, seed=4)
+    plain = model(ids, use_cache=True).past_key_values
+    with patchkv.patched(model, art, [*REGIONS, patchkv.NearCodes(8, factor=3)]):
+        cache = model(ids[:, :30], use_cache=True).cache
+        for t in range(30, 40):
+            cache = model(ids[:, t:t + 1], cache=cache, use_cache=True).cache
+            assert all((layer.near_len, layer.middle_len) == (8, t + 1 - 2 - 3 - 8) for layer in cache.layers)
+        layer = cache.layers[0]
+        error = (layer.keys - plain.layers[0].keys).norm(dim=-1)[0].mean(0)  # per token
+        near, middle = error[2 + 27:2 + 35], error[2:2 + 27]
+        assert near.max() < middle.mean() and error[:2].max() < 1e-5 and error[-3:].max() < 1e-5
+        lp = layer.patch
+        assert lp.near_keys.width > lp.keys.width and layer.tensors["near_keys"].shape[-1] == lp.near_keys.width
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_decode_steps_read_the_near_codes_as_the_dense_path_does(family, mode, attn, monkeypatch):
+    """A decode step (the near region in a pass of its own, merged with the middle and the exact tokens) gives the
+    logits of the model's attention function over the dense operands, left padding included."""
+    check_decode(family, attn, mode, dict(sink_tokens=2, window=3, bits=40), monkeypatch,
+                 extra=(patchkv.NearCodes(6, factor=2),))
+
+
+def test_bytes_are_counted_and_budgets_pay_for_them():
+    model, art = lossy(dtype=torch.bfloat16)
+    art = art.to_dtype(torch.bfloat16)
+    context = 400
+    near = patchkv.NearCodes(64, factor=2)
+    plain = Budget(ratio=4, pool="head").methods(art, context)
+    methods = Budget(ratio=4, pool="head", near=near).methods(art, context)
+    assert methods[-1] == near and methods[1].bits < plain[1].bits  # the middle gets what the near codes leave
+    ids = calibration_ids(1, context, seed=6)
+    with patchkv.patched(model, art, methods):
+        cache = model(ids, use_cache=True).cache
+    held = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items() if name.startswith("near"))
+    lp = cache.layers[0].patch
+    assert held == len(cache.layers) * 64 * (lp.near_keys.width + lp.near_values.width) > 0
+    assert cache.nbytes() == sum(t.nbytes for layer in cache.layers for t in layer.tensors.values()) + context * 4
+    assert 0.9 * sixteen_bit_bytes(art) / 4 < cache.nbytes() / context <= sixteen_bit_bytes(art) / 4
+
+
+def test_a_saved_cache_keeps_its_near_tokens(tmp_path):
+    model, art = lossy()
+    ids = calibration_ids(1, 40, seed=7)
+    with patchkv.patched(model, art, [*REGIONS, patchkv.NearCodes(8, factor=2)]):
+        cache = model(ids[:, :-4], use_cache=True).cache
+        saved = patchkv.save_cache(cache, tmp_path / "c.safetensors")
+        loaded = patchkv.load_cache(model, saved.path)
+        for a, b in zip(cache.layers, loaded.layers):
+            assert a.near_len == b.near_len == 8 and all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+        assert torch.equal(model(ids[:, -4:], cache=cache, use_cache=True).logits,
+                           model(ids[:, -4:], cache=loaded, use_cache=True).logits)
+    with patchkv.patched(model, art, REGIONS), pytest.raises(patchkv.PatchKVError, match="another patch"):
+        patchkv.load_cache(model, saved.path)
+
+
+def test_sliding_layers_hold_their_last_tokens_through_the_near_region():
+    model, art = lossy("gemma3")
+    with patchkv.patched(model, art, [*REGIONS, patchkv.NearCodes(8, factor=2)]):
+        sliding, full = model(calibration_ids(1, 40, seed=7), use_cache=True).cache.layers
+    assert sliding.is_sliding and sliding.kept == sliding.sliding_window - 1 == 9
+    assert (sliding.sink_len, sliding.middle_len, sliding.near_len, sliding.window_len) == (0, 0, 6, 3)
+    assert (full.sink_len, full.middle_len, full.near_len, full.window_len) == (2, 27, 8, 3)
+
+
+def test_crop_reorder_and_batch_selection_keep_the_regions_consistent():
+    model, art = lossy()
+    ids = calibration_ids(2, 40, seed=7)
+    with patchkv.patched(model, art, [*REGIONS, patchkv.NearCodes(8, factor=2)]):
+        cache = model(ids, use_cache=True).cache
+        cache.reorder_cache(torch.tensor([1, 0]))
+        cache.crop(-6)  # the window and 3 near tokens go
+        layer = cache.layers[0]
+        assert (layer.middle_len, layer.near_len, layer.window_len) == (27, 5, 0)
+        more = model(ids[:, :5], cache=cache, use_cache=True).logits  # 2 of them leave the window: near again
+        assert torch.isfinite(more).all() and (layer.middle_len, layer.near_len, layer.window_len) == (27, 7, 3)
+        cache.crop(-12)  # into the middle
+        assert (layer.middle_len, layer.near_len, layer.window_len) == (25, 0, 0)
+        cache.batch_select_indices(torch.tensor([1]))
+        assert all(t.shape[0] == 1 for layer in cache.layers for t in layer.tensors.values())
+        beams = model.generate(ids[:1], max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+        assert beams.shape == (1, 46)
+
+
+def test_budgets_name_near_codes_after_a_plus_and_plans_refuse_what_does_not_fit():
+    assert parse_budget("16x+near") == Budget(ratio=16, near=patchkv.NearCodes())
+    assert parse_budget("8x+near:tokens=480,factor=3") == Budget(ratio=8, near=patchkv.NearCodes(480, 3))
+    assert str(parse_budget("16x+near:tokens=96")) == "16x+near:tokens=96,factor=2"
+    for bad in (dict(tokens=0), dict(factor=0), dict(tokens=True)):
+        with pytest.raises((ValueError, TypeError)):
+            patchkv.NearCodes(**bad)
+    for other in (patchkv.CodeError(0.1), patchkv.TopK(8)):
+        with pytest.raises(ValueError, match="cannot be combined"):
+            build_plan([patchkv.NearCodes(), other])
+    model, art = lossy()
+    with pytest.raises(ValueError, match="need a Quantized codec"):
+        patchkv.apply(model, art, [patchkv.LowRank(), patchkv.NearCodes()])
+    assert not patchkv.is_patched(model)
