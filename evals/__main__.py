@@ -232,7 +232,8 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
               "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks",
-              "spill": "bench_spill", "scaling": "bench_scaling", "gemma-loss": "research_gemma_loss"}
+              "spill": "bench_spill", "scaling": "bench_scaling", "gemma-loss": "research_gemma_loss",
+              "near-tokens": "research_near"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,9 +43,9 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa", rope_f
 
 
 def _coded(ratio: float, name: str, note: str, mode: str = "pre_rope", basis: str = "head", salience=None,
-           extra: tuple = (), family: str = "patchkv") -> Config:
-    return budget(Budget(ratio=ratio, pool="global", basis=basis, salience=salience), name, mode=mode, extra=extra,
-                  family=family, note=note)
+           extra: tuple = (), family: str = "patchkv", near=None) -> Config:
+    return budget(Budget(ratio=ratio, pool="global", basis=basis, salience=salience, near=near), name, mode=mode,
+                  extra=extra, family=family, note=note)
 
 
 #: the salient fraction the suite's salience configs keep exact per KV head (paid for from the same budget)
@@ -69,6 +69,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     _coded(8, "8x-post", "global post-RoPE codes, 8x vs bf16", mode="post_rope"),
     *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
                                                                        patchkv.KeyNorm, patchkv.AttentionMass)),
+    *(_coded(ratio, f"{ratio}x-near", f"global pre-RoPE codes + {patchkv.NearCodes().spec()}, {ratio}x vs bf16",
+             near=patchkv.NearCodes(), family="patchkv+near") for ratio in (8, 16, 32)),
 )}
 
 

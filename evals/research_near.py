@@ -1,0 +1,59 @@
+"""Research: how many of the newest coded tokens `NearCodes` keeps at twice the bits, chosen on calibration text.
+
+    .venv/bin/python -m evals near-tokens --out evals/results --threads 1   # about 8 minutes on one core
+
+SmolLM2-135M-Instruct in bfloat16 with its shipped bases (`artifacts/smollm2-bases`), token perplexity through the
+`LatentCache` (64 tokens per forward) of the last 4,096 tokens of the calibration mix `patchkv calibrate` reads
+(`patchkv.texts.default_texts`: text the bases were fitted on, not the suite's held-out documents), at `--budget`
+with and without near codes of each `--tokens` (each config paying for them from the same bytes, `parse_budget`).
+Results: `near_tokens.csv` (+ provenance sidecar): budget, the middle's bits, KV bytes per token (measured on the
+cache), perplexity and its change against unpatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+import patchkv
+from patchkv.artifact import Artifact
+from patchkv.budgets import parse_budget
+from patchkv.memory import cache_nbytes
+from patchkv.perplexity import token_nll
+from patchkv.texts import default_texts
+
+from .suite import BASES, ROOT, load_smollm2, write_csv
+
+CONTEXT = 4096
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "evals/results")
+    p.add_argument("--budget", default="16x")
+    p.add_argument("--tokens", default="224,480,960")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_smollm2()
+    artifact = Artifact.load(BASES / "pre_rope.safetensors")
+    text = tokenizer("\n\n".join(default_texts()), add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([([tokenizer.bos_token_id] + text)[-CONTEXT:]])
+    base = token_nll(model, ids, 64).perplexity
+    rows = []
+    for budget in [args.budget, *(f"{args.budget}+near:tokens={n}" for n in args.tokens.split(","))]:
+        methods = parse_budget(budget).methods(artifact, CONTEXT)
+        with patchkv.patched(model, artifact, methods):
+            scored = token_nll(model, ids, 64)
+        rows.append({"budget": budget, "middle_bits": methods[1].bits, "context": CONTEXT, "text": "calibration mix",
+                     "kv_bytes_per_token": round(cache_nbytes(scored.cache) / CONTEXT, 1),
+                     "perplexity": round(scored.perplexity, 4),
+                     "change_pct": round(100 * (scored.perplexity / base - 1), 2)})
+        print(rows[-1], flush=True)
+        write_csv(rows, args.out / "near_tokens.csv")
+
+
+if __name__ == "__main__":
+    main()
