@@ -135,7 +135,8 @@ def test_crop_reorder_and_batch_selection_keep_the_regions_consistent():
 def test_budgets_name_near_codes_after_a_plus_and_plans_refuse_what_does_not_fit():
     assert parse_budget("16x+near") == Budget(ratio=16, near=patchkv.NearCodes())
     assert parse_budget("8x+near:tokens=480,factor=3") == Budget(ratio=8, near=patchkv.NearCodes(480, 3))
-    assert str(parse_budget("16x+near:tokens=96")) == "16x+near:tokens=96,factor=2"
+    assert str(parse_budget("16x+near:tokens=96")) == "16x+near:tokens=96" and str(parse_budget("8x+near")) == "8x+near"
+    assert parse_budget(str(parse_budget("8x+near:factor=3"))) == Budget(ratio=8, near=patchkv.NearCodes(factor=3))
     for bad in (dict(tokens=0), dict(factor=0), dict(tokens=True)):
         with pytest.raises((ValueError, TypeError)):
             patchkv.NearCodes(**bad)

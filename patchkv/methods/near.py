@@ -16,7 +16,7 @@ plan is built).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from .base import CachePlan, Method, check_int
 
@@ -33,6 +33,11 @@ class NearCodes(Method):
     def __post_init__(self):
         object.__setattr__(self, "tokens", check_int("near", "tokens", self.tokens, 1))
         object.__setattr__(self, "factor", check_int("near", "factor", self.factor, 1))
+
+    def spec(self) -> str:
+        """`near` and the fields that differ from their defaults ("near", "near:tokens=480")."""
+        changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"{self.name}:{','.join(changed)}" if changed else self.name
 
     def configure(self, plan: CachePlan) -> CachePlan:
         return replace(plan, near=self)
