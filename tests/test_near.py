@@ -147,3 +147,8 @@ def test_budgets_name_near_codes_after_a_plus_and_plans_refuse_what_does_not_fit
     with pytest.raises(ValueError, match="need a Quantized codec"):
         patchkv.apply(model, art, [patchkv.LowRank(), patchkv.NearCodes()])
     assert not patchkv.is_patched(model)
+
+
+def test_near_codes_on_layer_bases(monkeypatch):
+    check_decode("llama", "sdpa", "pre_rope", dict(sink_tokens=2, window=3, bits=40), monkeypatch, layer=True,
+                 extra=(patchkv.NearCodes(6, factor=2),))
