@@ -14,8 +14,9 @@ adapter, and these changes:
    mean`;
 5. if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
    and attends exactly over sinks, those and the window;
-   if it has a salience method (`patchkv.methods.Salience`), the middle tokens each KV head keeps exact are read in
-   place of their codes: written into the dense middle, or merged with the exact tokens of a decode step;
+   if it has a salience method (`patchkv.methods.Salience`), the coded tokens (middle and near) each KV head keeps
+   exact are read in place of their codes: written over the dense ones, or merged with the exact tokens of a decode
+   step;
 6. after attention the layer encodes what has left the window (`LatentLayer.after_attention`).
 
 Effect-weight calibration (`patchkv.fisher`) runs this same path (`attention_forward`) over a layer of its own that
@@ -168,7 +169,7 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     head: `U (sum_j p_j c_j) + (sum_j p_j) mean`. `chosen`: the middle cut
     to each KV head's selected tokens by top-k (`select`; the mask is cut alike), attended exactly. Salient tokens
     (`Visible.salient_*`) join the exact ones with their own mask columns, and their codes are masked out of the
-    middle pass."""
+    coded passes."""
     batch, heads = q.shape[:2]
     kv_heads = lp.keys.basis.heads
     mode = lp.patch.mode
@@ -176,7 +177,7 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     ns, nm, nn = seen.sink_keys.shape[2], seen.middle_len, seen.near_len
     middle = chosen is None and nm > 0
     coded = (nm if middle else 0) + nn  # the mask's columns read from codes: the middle's, then the near tokens'
-    salient = middle and seen.salient_len > 0  # each KV head's exact copies of middle tokens, read instead of codes
+    salient = chosen is None and seen.salient_len > 0  # each KV head's exact copies of coded tokens, read instead
     if salient:
         chosen = (mode.exact_keys(lp, seen.salient_keys.float(), seen.salient_positions), seen.salient_values)
     # the exact tokens (sinks, top-k's chosen or the salient ones, window), as attention reads them
@@ -186,31 +187,30 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     values = [seen.sink_values.float(), chosen[1].float() if chosen is not None else None, seen.recent_values.float()]
     keys, values = (torch.cat([x for x in xs if x is not None], dim=2) for xs in (keys, values))
     scores = grouped_scores(qg, keys).float() * scaling  # [batch, kv_heads, groups, exact]
-    bias, near_bias = None, None
+    bias = None  # the coded columns' additive mask: [batch, coded], or [batch, kv_heads, coded] per KV head
     if mask is not None:
         columns_read = keys.shape[2] - (seen.salient_len if salient else 0)  # sinks, top-k's chosen, window
         m = _additive(mask[..., : columns_read + coded])  # the mask's columns for these tokens
         per_head = m.shape[1] > 1
         m = m.view(m.shape[0], kv_heads, -1, m.shape[-1]) if per_head else m  # [batch, kv_heads or 1, groups or 1, n]
-        if middle:
-            columns, bias = _coded_bias(m, ns, nm, per_head)
-        if nn:
-            near_bias = _coded_bias(m, ns + coded - nn, nn, per_head)[1]
         if coded:
+            columns, bias = _coded_bias(m, ns, coded, per_head)
             exact = [m[..., :ns], m[..., ns + coded:]]
-            if salient:  # the salient tokens' own columns of the middle, per KV head
+            if salient:  # the salient tokens' own columns of the coded ones, per KV head
                 shape = (m.shape[0], kv_heads, m.shape[2])
                 exact = [exact[0].expand(*shape, -1), columns.expand(*shape, -1).gather(
                     3, seen.salient_index.unsqueeze(2).expand(*shape, -1)), exact[1].expand(*shape, -1)]
             m = torch.cat(exact, dim=-1)
         scores = scores + m
     if salient:  # the salient tokens' codes are not read: their exact copies stand in
-        hidden = torch.zeros(batch, kv_heads, nm, device=q.device) if bias is None else \
-            (bias if bias.dim() == 3 else bias.unsqueeze(1)).expand(batch, kv_heads, nm).clone()
+        hidden = torch.zeros(batch, kv_heads, coded, device=q.device) if bias is None else \
+            (bias if bias.dim() == 3 else bias.unsqueeze(1)).expand(batch, kv_heads, coded).clone()
         bias = hidden.scatter_(2, seen.salient_index, torch.finfo(torch.float32).min)
+    middle_bias, near_bias = (None, None) if bias is None else \
+        (bias[..., :coded - nn].contiguous(), bias[..., coded - nn:].contiguous())
     # one pass over each coded region as stored (the middle, the near tokens with their own codecs): its running
     # max, sum of exp and value coefficient sums
-    regions = ([(lp, seen, bias)] if middle else []) + ([(lp.near(), seen.near(), near_bias)] if nn else [])
+    regions = ([(lp, seen, middle_bias)] if middle else []) + ([(lp.near(), seen.near(), near_bias)] if nn else [])
     passes = [(region_lp.values, *mode.middle_attend(region_lp, region, qg, region_bias, scaling))
               for region_lp, region, region_bias in regions]
     top = scores.amax(-1)

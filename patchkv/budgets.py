@@ -146,16 +146,18 @@ def parse_budget(text: str) -> Budget:
     """"8x" or "8" followed by x (a ratio > 1 against the 16-bit cache), or "119" (bits per KV head and token);
     "+near" after either keeps the newest coded tokens at a higher rate out of the same budget ("16x+near",
     "16x+near:tokens=480", `NearCodes`), "+" and a salience method keeps its tokens exact ("16x+novelty",
-    "16x+novelty:fraction=0.01"; `patchkv.methods.parse_method`)."""
-    text, plus, extra = text.strip().lower().partition("+")
+    "16x+novelty:fraction=0.01"; `patchkv.methods.parse_method`); both, near first: "16x+near+novelty"."""
+    text, plus, extra = text.strip().lower().rpartition("+")
     if plus:
-        method = parse_method(extra.strip())
-        if isinstance(method, NearCodes):
-            return replace(parse_budget(text), near=method)
-        if not isinstance(method, Salience):
+        method, budget = parse_method(extra.strip()), parse_budget(text)
+        role = "near" if isinstance(method, NearCodes) else "salience" if isinstance(method, Salience) else None
+        if role is None:
             raise ValueError(f"budget {text + plus + extra!r}: after '+' comes near or a salience method (novelty, "
                              f"code_error, key_norm, attention_mass), not {method.name!r}.")
-        return replace(parse_budget(text), salience=method)
+        if getattr(budget, role) is not None:
+            raise ValueError(f"budget {text + plus + extra!r} names two {role} methods; keep one.")
+        return replace(budget, **{role: method})
+    text = extra
     if re.fullmatch(r"\d+(\.\d+)?x", text):
         ratio = float(text[:-1])
         if ratio <= 1:

@@ -7,15 +7,16 @@ pre-RoPE mode, rotated in post-RoPE mode):
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
     near_keys, near_values       [batch, 1, near, near width]          the newest codes, at the near rate
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
-    salient_keys, salient_values [batch, kv_heads, s, head_dim]        exact copies of middle tokens (Salience)
-    salient_index, salient_score [batch, kv_heads, s, 1]               their middle index (int32), score (float32)
+    salient_keys, salient_values [batch, kv_heads, s, head_dim]        exact copies of coded tokens (Salience)
+    salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
 
 Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
 `near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
 older ones move on into the middle, coded again at its rate (decoded, then encoded). A plan with a `Salience` method keeps,
-per KV head, the middle tokens it scores highest exact as well (scored as they leave the window, the best
-`capacity(middle)` so far); attention reads those in place of their codes (`patchkv.operands.dense`, and the decode
-step's exact tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the
+per KV head, the coded tokens (middle and near) it scores highest exact as well (scored as they leave the window, the
+best `capacity(coded)` so far, indexed in position order over the middle then the near tokens, an index a token keeps
+as it moves from one to the other); attention reads those in place of their codes (`patchkv.operands.dense`, and the
+decode step's exact tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the
 window of `window` tokens before them.
 
 The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
@@ -181,39 +182,41 @@ class LatentLayer(CacheLayerMixin):
 
     def _encode(self, leaving: int, observed: Observation | None = None) -> None:
         t = self.tensors
-        start = self.middle_len
+        start = self.coded_len  # the leaving tokens' first coded index (middle, then near tokens, in position order)
         exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
-        if self.near_tokens:
-            self._encode_near(exact)
-            return
-        stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)]
+        # the middle's codes of the leaving tokens (with near codes, what a salience method scores: where they end)
+        stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)] \
+            if not self.near_tokens or self.salience is not None else None
         if self.salience is not None:
             if observed is not None:  # the leaving tokens as this forward's queries read them
                 observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]
                 observed.keys = observed.read_keys(exact[0], observed.positions)
             with torch.profiler.record_function("patchkv::salience"):
                 self._keep_salient(*exact, stored, start, observed)
+        if self.near_tokens:
+            self._encode_near(exact, stored)
+            return
         for kind, encoded in zip(("keys", "values"), stored):
             self._grow(f"latent_{kind}", encoded)
             t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
 
-    def _encode_near(self, exact: list[torch.Tensor]) -> None:
-        """The tokens leaving the window, exact keys and values `[batch, kv_heads, n, head_dim]`: the last
-        `near_tokens` of the near region and these stay there (the newcomers coded at the near rate); the older ones
-        move into the middle, near codes decoded and coded again at the middle's rate, newcomers that do not stay
-        coded at that rate straight from their exact values."""
+    def _encode_near(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None = None) -> None:
+        """The tokens leaving the window, exact keys and values `[batch, kv_heads, n, head_dim]` (and their middle
+        codes `stored`, if already made): the last `near_tokens` of the near region and these stay there (the
+        newcomers coded at the near rate); the older ones move into the middle, near codes decoded and coded again at
+        the middle's rate, newcomers that do not stay coded at that rate straight from their exact values."""
         t, lp = self.tensors, self.patch
         held, leaving = self.near_len, exact[0].shape[2]
         moving = max(0, held + leaving - self.near_tokens)  # the oldest of the near region and the newcomers
         recoded, direct = min(moving, held), moving - min(moving, held)
-        for kind, x in zip(("keys", "values"), exact):
+        for i, (kind, x) in enumerate(zip(("keys", "values"), exact)):
             middle, near = getattr(lp, kind), getattr(lp, f"near_{kind}")
             name = f"near_{kind}"
             parts = []
             if recoded:
                 parts.append(middle.encode(near.basis.reconstruct(near.decode(t[name][:, :, :recoded])).to(x.dtype)))
             if direct:
-                parts.append(middle.encode(x[:, :, :direct]))
+                parts.append(middle.encode(x[:, :, :direct]) if stored is None else stored[i][:, :, :direct])
             if parts:
                 self._grow(f"latent_{kind}", parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
             t[name] = torch.cat([t[name][:, :, recoded:], near.encode(x[:, :, direct:])], dim=2)
@@ -221,8 +224,10 @@ class LatentLayer(CacheLayerMixin):
 
     def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor], start: int,
                       observed: Observation | None = None) -> None:
-        """Tokens entering the middle at index `start`, exact `[batch, kv_heads, n, head_dim]` and as stored: each KV
-        head keeps the `capacity` best scored of the exact tokens it held and these (kept in middle order)."""
+        """Tokens leaving the window at coded index `start` (the middle's, then the near tokens', in position order:
+        a token moving from the near region into the middle keeps its index), exact `[batch, kv_heads, n, head_dim]`
+        and as the middle stores them: each KV head keeps the `capacity` best scored of the exact tokens it held and
+        these (kept in coded order)."""
         t = self.tensors
         n = keys.shape[2]
         capacity = self.salience.capacity(start + n)
@@ -258,11 +263,11 @@ class LatentLayer(CacheLayerMixin):
         self.buffers[name], self.tensors[name] = buffer, buffer[:, :, :n]
         return buffer
 
-    def _drop_salient_past(self, middle: int) -> None:
-        """After a crop: exact tokens whose middle index is no longer held go. Every KV head keeps as many as the one
+    def _drop_salient_past(self, coded: int) -> None:
+        """After a crop: exact tokens whose coded index is no longer held go. Every KV head keeps as many as the one
         that kept the fewest (its best by score); the others are read from their codes again."""
         t = self.tensors
-        valid = t["salient_index"].squeeze(-1) < middle
+        valid = t["salient_index"].squeeze(-1) < coded
         if bool(valid.all()):
             return
         score = t["salient_score"].squeeze(-1).masked_fill(~valid, float("-inf"))
@@ -323,7 +328,8 @@ class LatentLayer(CacheLayerMixin):
         if t["salient_keys"].shape[2]:
             index = t["salient_index"].squeeze(-1).long()
             seen.salient_keys, seen.salient_values, seen.salient_index = t["salient_keys"], t["salient_values"], index
-            seen.salient_positions = middle_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
+            coded_pos = torch.cat([middle_pos, near_pos], dim=1) if nn else middle_pos
+            seen.salient_positions = coded_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
         return seen
 
     def _positions(self, kept: int) -> torch.Tensor:
@@ -337,6 +343,11 @@ class LatentLayer(CacheLayerMixin):
     @property
     def middle_len(self) -> int:
         return self.tensors["latent_keys"].shape[2] if self.tensors else 0
+
+    @property
+    def coded_len(self) -> int:
+        """Tokens held as codes: the middle's and the near tokens' (what a salience method's indices point into)."""
+        return self.middle_len + self.near_len
 
     @property
     def salient_len(self) -> int:
@@ -435,7 +446,7 @@ class LatentLayer(CacheLayerMixin):
                     kept = self.tensors[f"{region}_{kind}"][:, :, :-n]
                     self.tensors[f"{region}_{kind}"] = kept if region == "latent" else kept.clone()
                 remove -= n
-        self._drop_salient_past(self.middle_len)
+        self._drop_salient_past(self.coded_len)
         self.cumulative_length -= min(-tokens_to_remove, self.cumulative_length)
         if self.is_sliding:
             self._keep_last(self.sliding_window - 1)

@@ -268,7 +268,7 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
         for region, codec in (("latent", getattr(lp, kind)), ("near", getattr(lp, f"near_{kind}"))):
             patterns[f"{region}_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width),
                                             f"the {kind}' {codec.describe()}")
-    patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient middle indices")
+    patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient coded indices")
     patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
     return patterns
 
@@ -285,9 +285,9 @@ def _check_counts(path: Path, i: int, layer: LatentLayer, seen: int, tokens: dic
     else:
         held = f"all {seen} tokens, {min(layer.sink_tokens, seen)} of them sinks"
         ok = sinks == min(layer.sink_tokens, seen) and kept == seen
-    capacity = "none" if layer.salience is None else f"at most the {middle} middle tokens"
+    capacity = "none" if layer.salience is None else f"at most the {middle + near} coded tokens"
     if not ok or recent > layer.window or near > layer.near_tokens or \
-            salient > (0 if layer.salience is None else middle):
+            salient > (0 if layer.salience is None else middle + near):
         raise _damaged(path, f"layer {i} holds {sinks} sinks, {middle} middle, {near} near, {recent} recent and "
                              f"{salient} salient tokens after {seen} seen; under this patch it holds {held}, at most "
                              f"{layer.window} recent and {layer.near_tokens} near, salient copies: {capacity}")
@@ -313,14 +313,15 @@ def _metadata(path: Path, text: str | None) -> dict:
 
 
 def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Layer `i`'s salient regions (shapes checked by `_check_layout`), each KV head's indices inside the middle;
-    empty ones for a version 1 file."""
+    """Layer `i`'s salient regions (shapes checked by `_check_layout`), each KV head's indices inside the coded tokens
+    (middle, then near); empty ones for a version 1 file."""
     if "salient_keys" not in held:
         return no_salient(held["sink_keys"], held["sink_values"])
-    index, middle = held["salient_index"], held["latent_keys"].shape[2]
-    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < middle):
-        raise _damaged(path, f"layer {i}'s salient regions point at middle tokens {int(index.min())} to "
-                             f"{int(index.max())}, its middle holds {middle}")
+    index = held["salient_index"]
+    coded = held["latent_keys"].shape[2] + (held["near_keys"].shape[2] if "near_keys" in held else 0)
+    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < coded):
+        raise _damaged(path, f"layer {i}'s salient regions point at coded tokens {int(index.min())} to "
+                             f"{int(index.max())}, its middle and near regions hold {coded}")
     return {name: held[name] for name in SALIENT}
 
 

@@ -26,24 +26,25 @@ def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
     order.
     chosen: the middle's keys and values replaced by each KV head's selected tokens (top-k)."""
     mode = lp.patch.mode
+    coded_keys, coded_values = [], []  # the middle (or top-k's chosen tokens), then the near tokens
     if chosen is not None:
-        middle_keys, middle_values = (x.to(dtype) for x in chosen)
+        coded_keys.append(chosen[0].to(dtype))
+        coded_values.append(chosen[1].to(dtype))
     elif seen.middle_len:
-        middle_keys, middle_values = mode.middle_keys(lp, seen, dtype), rebuild(lp.values, seen.middle_values, dtype)
-        if seen.salient_len:  # each KV head's exact tokens in place of their codes
-            salient_keys = mode.exact_keys(lp, seen.salient_keys.to(dtype), seen.salient_positions)
-            middle_keys = overlay(middle_keys, salient_keys, seen.salient_index)
-            middle_values = overlay(middle_values, seen.salient_values.to(dtype), seen.salient_index)
-    else:
-        middle_keys = middle_values = None
-    near_keys = near_values = None
+        coded_keys.append(mode.middle_keys(lp, seen, dtype))
+        coded_values.append(rebuild(lp.values, seen.middle_values, dtype))
     if seen.near_len:  # the near tokens, a middle of their own read with the near codecs
         near_lp, near = lp.near(), seen.near()
-        near_keys, near_values = mode.middle_keys(near_lp, near, dtype), rebuild(near_lp.values, near.middle_values,
-                                                                                  dtype)
-    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), middle_keys, near_keys,
+        coded_keys.append(mode.middle_keys(near_lp, near, dtype))
+        coded_values.append(rebuild(near_lp.values, near.middle_values, dtype))
+    coded_keys, coded_values = _joined(coded_keys), _joined(coded_values)
+    if chosen is None and seen.salient_len:  # each KV head's exact tokens in place of their codes
+        salient_keys = mode.exact_keys(lp, seen.salient_keys.to(dtype), seen.salient_positions)
+        coded_keys = overlay(coded_keys, salient_keys, seen.salient_index)
+        coded_values = overlay(coded_values, seen.salient_values.to(dtype), seen.salient_index)
+    keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), coded_keys,
             mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
-    values = [seen.sink_values.to(dtype), middle_values, near_values, seen.recent_values.to(dtype)]
+    values = [seen.sink_values.to(dtype), coded_values, seen.recent_values.to(dtype)]
     return _joined(keys), _joined(values)
 
 
@@ -51,31 +52,31 @@ def unpatched(lp: LayerPatch, held: Visible, kind: str) -> torch.Tensor:
     """The tokens `held` (a layer's, as `LatentLayer` holds them) as the unpatched model would cache them: keys
     (`kind` "keys", rotated) or values ("values") `[batch, kv_heads, n, head_dim]` in the exact regions' dtype, the
     middle reconstructed from what is stored and each KV head's salient tokens written in place of their codes."""
-    codec = getattr(lp, kind)
     sinks, middle, recent = (getattr(held, f"{region}_{kind}") for region in ("sink", "middle", "recent"))
-    middle = rebuild(codec, middle, sinks.dtype)
-    if held.salient_len:
-        middle = overlay(middle, getattr(held, f"salient_{kind}"), held.salient_index)
-    parts, positions = [sinks, middle], [held.sink_positions, held.middle_positions]
+    coded, positions = [rebuild(getattr(lp, kind), middle, sinks.dtype)], [held.sink_positions, held.middle_positions]
     if held.near_len:
-        parts.append(rebuild(getattr(lp, f"near_{kind}"), getattr(held, f"near_{kind}"), sinks.dtype))
+        coded.append(rebuild(getattr(lp, f"near_{kind}"), getattr(held, f"near_{kind}"), sinks.dtype))
         positions.append(held.near_positions)
-    full = torch.cat([*parts, recent], dim=2)
+    coded = _joined(coded)
+    if held.salient_len:
+        coded = overlay(coded, getattr(held, f"salient_{kind}"), held.salient_index)
+    full = torch.cat([sinks, coded, recent], dim=2)
     if kind == "keys":
         positions = torch.cat([*positions, held.recent_positions], dim=1)
         full = lp.patch.mode.cached_keys_as_rotated(lp, full, positions)
     return full
 
 
-def overlay(middle: torch.Tensor, exact: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The middle `[batch, kv_heads, m, head_dim]` with each KV head's tokens at `index` `[batch, kv_heads, s]`
-    replaced by `exact` `[batch, kv_heads, s, head_dim]` (a new tensor)."""
-    return middle.scatter(2, index.unsqueeze(-1).expand(-1, -1, -1, middle.shape[-1]), exact.to(middle.dtype))
+def overlay(coded: torch.Tensor, exact: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The coded tokens rebuilt (middle, then near tokens) `[batch, kv_heads, m, head_dim]` with each KV head's tokens
+    at `index` `[batch, kv_heads, s]` replaced by `exact` `[batch, kv_heads, s, head_dim]` (a new tensor)."""
+    return coded.scatter(2, index.unsqueeze(-1).expand(-1, -1, -1, coded.shape[-1]), exact.to(coded.dtype))
 
 
-def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor:
-    """Concatenate along the token axis, skipping empty parts (no copy when one part holds every token)."""
+def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Concatenate along the token axis, skipping empty parts (no copy when one part holds every token); None when
+    there are none."""
     kept = [p for p in parts if p is not None and p.shape[2]]
     if not kept:
-        return next(p for p in parts if p is not None)
+        return next((p for p in parts if p is not None), None)
     return kept[0] if len(kept) == 1 else torch.cat(kept, dim=2)

@@ -4,7 +4,8 @@ At the middle's own rate (factor 1) the cache holds and reads exactly what it do
 both attention paths (dense operands and decode steps) read the near region with its own codecs, the newest tokens
 stay there and older ones move on into the middle; its bytes are counted and budgets pay for them; saved caches keep
 it; generation modes that reorder, crop or batch the cache keep it consistent; sliding layers hold their last
-tokens through it.
+tokens through it. With a salience method the tokens kept exact are chosen over the near tokens and the middle
+alike, keep their index as they move from one to the other, and are read exact by both attention paths.
 """
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import calibration_ids, make_model
 from test_fast_decode import check_decode
 
 import patchkv
-from patchkv.budgets import Budget, parse_budget, sixteen_bit_bytes
+from patchkv.budgets import Budget, parse_budget, salient_bytes, sixteen_bit_bytes
 from patchkv.methods import build_plan
 
 REGIONS = [patchkv.SinksWindow(2, 3), patchkv.Quantized(20)]
@@ -140,9 +141,8 @@ def test_budgets_name_near_codes_after_a_plus_and_plans_refuse_what_does_not_fit
     for bad in (dict(tokens=0), dict(factor=0), dict(tokens=True)):
         with pytest.raises((ValueError, TypeError)):
             patchkv.NearCodes(**bad)
-    for other in (patchkv.CodeError(0.1), patchkv.TopK(8)):
-        with pytest.raises(ValueError, match="cannot be combined"):
-            build_plan([patchkv.NearCodes(), other])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        build_plan([patchkv.NearCodes(), patchkv.TopK(8)])
     model, art = lossy()
     with pytest.raises(ValueError, match="need a Quantized codec"):
         patchkv.apply(model, art, [patchkv.LowRank(), patchkv.NearCodes()])
@@ -152,3 +152,81 @@ def test_budgets_name_near_codes_after_a_plus_and_plans_refuse_what_does_not_fit
 def test_near_codes_on_layer_bases(monkeypatch):
     check_decode("llama", "sdpa", "pre_rope", dict(sink_tokens=2, window=3, bits=40), monkeypatch, layer=True,
                  extra=(patchkv.NearCodes(6, factor=2),))
+
+
+# ----- with a salience method: exact copies of coded tokens, near or in the middle -------------------------------
+@pytest.mark.parametrize("scorer", [patchkv.CodeError, patchkv.AttentionMass])
+def test_decode_steps_read_kept_near_and_middle_tokens_exact(family, mode, scorer, monkeypatch):
+    """A decode step (kept tokens merged with the exact ones, their codes masked out of both coded passes) gives the
+    logits of the model's attention function over the dense operands with the kept tokens written in."""
+    check_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3, bits=40), monkeypatch,
+                 extra=(patchkv.NearCodes(6, factor=2), scorer(0.3)))
+
+
+def test_kept_tokens_are_chosen_over_near_and_middle_and_keep_their_index_as_they_move():
+    """Post-RoPE, layer 0 (whose keys do not depend on the cache): after a prefill and every decode step each KV head
+    keeps exact the `capacity` best by key norm of the tokens it kept and the newcomer (all coded tokens at the
+    prefill), wherever they are held, read exact by the cache's view; tokens moving from the near region into the
+    middle keep their index."""
+    model, art = lossy(mode="post_rope")
+    ids = calibration_ids(1, 48, seed=4)
+    plain = model(ids, use_cache=True).past_key_values.layers[0]
+    method = patchkv.KeyNorm(0.25, scope="head")
+    where = set()
+    with patchkv.patched(model, art, [*REGIONS, patchkv.NearCodes(8, factor=2), method]):
+        cache = model(ids[:, :36], use_cache=True).cache
+        expected = None
+        for t in range(36, 48):
+            layer = cache.layers[0]
+            coded = slice(2, 2 + layer.coded_len)
+            exact = plain.keys[:, :, coded]
+            score = -exact.norm(dim=-1)
+            candidates = torch.arange(layer.coded_len).expand_as(score) if expected is None else \
+                torch.cat([expected, torch.full_like(expected[..., :1], layer.coded_len - 1)], dim=-1)
+            best = score.gather(2, candidates).topk(method.capacity(layer.coded_len), dim=-1).indices
+            expected = candidates.gather(2, best).sort(-1).values
+            index = layer.tensors["salient_index"].squeeze(-1).long()
+            assert torch.equal(index, expected)
+            where |= {"near" if i >= layer.middle_len else "middle" for i in index.flatten().tolist()}
+            got = layer.keys[:, :, coded]
+            kept = torch.zeros(got.shape[:3], dtype=torch.bool).scatter_(2, index, True)
+            assert torch.allclose(got[kept], exact[kept], atol=1e-6) and (got[~kept] - exact[~kept]).abs().max() > 1e-3
+            cache = model(ids[:, t:t + 1], cache=cache, use_cache=True).cache
+    assert where == {"near", "middle"}
+
+
+def test_kept_tokens_survive_save_load_and_crop_into_the_near_region(tmp_path):
+    model, art = lossy()
+    ids = calibration_ids(2, 40, seed=7)
+    methods = [*REGIONS, patchkv.NearCodes(8, factor=2), patchkv.CodeError(0.25)]
+    with patchkv.patched(model, art, methods):
+        cache = model(ids[:, :-4], use_cache=True).cache
+        loaded = patchkv.load_cache(model, patchkv.save_cache(cache, tmp_path / "c.safetensors").path)
+        for a, b in zip(cache.layers, loaded.layers):
+            assert a.salient_len > 0 and all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+        assert torch.equal(model(ids[:, -4:], cache=cache, use_cache=True).logits,
+                           model(ids[:, -4:], cache=loaded, use_cache=True).logits)
+        loaded.crop(-10)  # the window and 7 of the near tokens go, and the copies of those
+        for layer in loaded.layers:
+            assert layer.near_len == 1 and layer.salient_len > 0
+            assert bool((layer.tensors["salient_index"] < layer.coded_len).all())
+        beams = model.generate(ids[:1], max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+        assert beams.shape == (1, 46)
+
+
+def test_budgets_pay_for_near_codes_and_kept_tokens_together():
+    model, art = lossy(dtype=torch.bfloat16)
+    art = art.to_dtype(torch.bfloat16)
+    context, near, kept = 400, patchkv.NearCodes(64, factor=2), patchkv.CodeError(1 / 16)
+    assert parse_budget("4x+near:tokens=64+code_error:fraction=0.0625") == parse_budget(
+        "4x+code_error:fraction=0.0625+near:tokens=64") == Budget(ratio=4, near=near, salience=kept)
+    with pytest.raises(ValueError, match="two salience"):
+        parse_budget("16x+novelty+key_norm")
+    alone = Budget(ratio=4, pool="head", near=near).methods(art, context)
+    methods = Budget(ratio=4, pool="head", near=near, salience=kept).methods(art, context)
+    assert methods[-2:] == [near, kept] and methods[1].bits < alone[1].bits
+    with patchkv.patched(model, art, methods):
+        cache = model(calibration_ids(1, context, seed=6), use_cache=True).cache
+    copies = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items() if name.startswith("salient"))
+    assert copies == salient_bytes(art, kept, context - 4 - 32) > 0
+    assert 0.9 * sixteen_bit_bytes(art) / 4 < cache.nbytes() / context <= sixteen_bit_bytes(art) / 4

@@ -77,10 +77,9 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
     if "salience" in seen and "selection" in seen:
         raise ValueError(f"{seen['salience'].spec()} and {seen['selection'].spec()} cannot be combined: a decode step "
                          "reads either the chosen tokens or the exact salient ones; pass one of them.")
-    if "near" in seen and ("salience" in seen or "selection" in seen):
-        other = seen.get("salience") or seen["selection"]
-        raise ValueError(f"{seen['near'].spec()} and {other.spec()} cannot be combined yet: near codes are read as a "
-                         "region of their own, which top-k selection and salient tokens do not know; pass one of them.")
+    if "near" in seen and "selection" in seen:
+        raise ValueError(f"{seen['near'].spec()} and {seen['selection'].spec()} cannot be combined yet: near codes "
+                         "are read as a region of their own, which top-k selection does not choose from; pass one.")
     plan = CachePlan(codec=LowRank(), methods=methods)
     for m in methods:
         plan = m.configure(plan)

@@ -10,8 +10,8 @@ default keeps 960. As tokens leave the window they are coded at the near rate; o
 there, the oldest are coded again at the middle's rate (decoded, then encoded on the same basis). A budget pays for
 them (`parse_budget("16x+near")`): the middle's bits are what is left.
 
-Needs a codec with a rate (`Quantized`); not combined with a `Salience` method or a `Selector` (refused when the
-plan is built).
+Needs a codec with a rate (`Quantized`); not combined with a `Selector` (refused when the plan is built). With a
+`Salience` method ("16x+near+novelty") the tokens it keeps exact are chosen among the near tokens and the middle alike.
 """
 
 from __future__ import annotations
