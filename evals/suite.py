@@ -71,6 +71,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
                                                                        patchkv.KeyNorm, patchkv.AttentionMass)),
     *(_coded(ratio, f"{ratio}x-near", f"global pre-RoPE codes + {patchkv.NearCodes().spec()}, {ratio}x vs bf16",
              near=patchkv.NearCodes(), family="patchkv+near") for ratio in (8, 16, 32)),
+    *(_coded(ratio, f"{ratio}x-layer-near", f"global pre-RoPE codes on layer bases + {patchkv.NearCodes().spec()}, "
+             f"{ratio}x vs bf16", basis="layer", near=patchkv.NearCodes(), family="patchkv-layer+near")
+      for ratio in (8, 16, 32)),
     *(_coded(ratio, f"{ratio}x-near-novelty", f"global pre-RoPE codes + {patchkv.NearCodes().spec()} + "
              f"{patchkv.Novelty(SALIENT_FRACTION).spec()} exact, {ratio}x vs bf16", near=patchkv.NearCodes(),
              salience=patchkv.Novelty(SALIENT_FRACTION), family="patchkv+near+novelty") for ratio in (16, 32)),
