@@ -77,6 +77,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_coded(ratio, f"{ratio}x-near-novelty", f"global pre-RoPE codes + {patchkv.NearCodes().spec()} + "
              f"{patchkv.Novelty(SALIENT_FRACTION).spec()} exact, {ratio}x vs bf16", near=patchkv.NearCodes(),
              salience=patchkv.Novelty(SALIENT_FRACTION), family="patchkv+near+novelty") for ratio in (16, 32)),
+    *(_coded(ratio, f"{ratio}x-layer-near-novelty", f"global pre-RoPE codes on layer bases + "
+             f"{patchkv.NearCodes().spec()} + {patchkv.Novelty(SALIENT_FRACTION).spec()} exact, {ratio}x vs bf16",
+             basis="layer", near=patchkv.NearCodes(), salience=patchkv.Novelty(SALIENT_FRACTION),
+             family="patchkv-layer+near+novelty") for ratio in (16, 32)),
 )}
 
 
