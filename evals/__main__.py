@@ -11,6 +11,8 @@
     python -m evals blocks --out evals/results                 # a prefix store's blocks, pre- vs post-RoPE (bench_blocks.py)
     python -m evals spill --out evals/results                  # its disk tier and lossless stage (bench_spill.py)
     python -m evals scaling --out evals/results                # cost against context, 1k to 128k (bench_scaling.py)
+    python -m evals VERB --help                                # every other benchmark, research and build script
+                                                               # (`evals/verbs.py` lists them)
 
 `run` scores every configuration on the same samples, sample by sample (interleaved, so a run stopped early
 leaves every configuration with the same samples), and appends one record per (configuration, task, context,
@@ -40,12 +42,12 @@ from patchkv.provenance import commit, machine
 from patchkv.records import Point, change, markdown, write_csv
 from patchkv.records import plot as records_plot
 
-from .suite import CONFIGS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
+from .suite import CONFIGS, RESULTS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
 from .suite import config as suite_config
-from .tasks import TASKS, Perplexity, Ruler, wilson_half_width
+from .tasks import TASKS, Ruler, wilson_half_width
+from .verbs import VERBS
+from .verbs import run as run_verb
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "evals" / "results"
 FIELDS = ["method", "family", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "samples", "score",
           "ci95", "unpatched_score", "protocol", "commit", "command"]
 PROTOCOL = {"ruler": "context compressed after its prefill; question and answer read the cache",
@@ -230,26 +232,18 @@ def plot(rows: list[dict], path: Path) -> Path:
     return records_plot(points, path, xlabel="KV bytes per token", ylabel=ylabels, titles=titles) or path
 
 
-BENCHMARKS = {"throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
-              "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks",
-              "spill": "bench_spill", "scaling": "bench_scaling", "gemma-loss": "research_gemma_loss",
-              "near-tokens": "research_near"}
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in BENCHMARKS:  # their own options, parsed by their own main
-        import importlib
-
-        importlib.import_module(f".{BENCHMARKS[argv[0]]}", __package__).main(argv[1:])
+    if argv and argv[0] in VERBS:  # their own options, parsed by their own main
+        run_verb(argv[0], argv[1:])
         return
     parser = argparse.ArgumentParser(prog="python -m evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="folder of samples/ records and the summary CSV (default evals/results)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the configurations and tasks")
-    for name, module in BENCHMARKS.items():
-        sub.add_parser(name, help=f"evals/{module}.py's benchmark (its own options: python -m evals {name} -h)")
+    for name, module in VERBS.items():
+        sub.add_parser(name, help=f"evals/{module}.py ({name} -h: its options)")
     r = sub.add_parser("run", help="score configurations on tasks, resumable")
     r.add_argument("--configs", default="unpatched,quanto-int4,4x,8x,16x")
     r.add_argument("--tasks", default="ruler_niah_single_1")

@@ -14,17 +14,16 @@ the exact prefix.
 
 from __future__ import annotations
 
-import argparse
 import math
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from patchkv.block_codec import BlockCodec, Rotations
 
-from .suite import ROOT, load_artifacts, load_smollm2, write_csv
+from .suite import load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
+from .verbs import parse, parser
 
 BUDGETS = ("4x", "8x", "16x")
 DOMAINS = ("prose", "shakespeare", "milton")
@@ -66,16 +65,12 @@ def relative_error(decoded: list[tuple[torch.Tensor, torch.Tensor]], exact: list
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m evals blocks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "evals" / "results")
-    parser.add_argument("--docs", type=int, default=2, help="documents of each domain")
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--continuation", type=int, default=256)
-    parser.add_argument("--block", type=int, default=16, help="tokens per stored block")
-    parser.add_argument("--threads", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    p = parser("blocks", __doc__, threads=0)
+    p.add_argument("--docs", type=int, default=2, help="documents of each domain")
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--continuation", type=int, default=256)
+    p.add_argument("--block", type=int, default=16, help="tokens per stored block")
+    args = parse(p, argv)
     model, tokenizer = load_smollm2(torch.bfloat16)
     artifacts = load_artifacts(torch.bfloat16)
     rotations = Rotations.from_model(model)

@@ -1,6 +1,6 @@
 """Achieved FLOP/s of attention's batched matmuls vs their small dimension: what narrow heads and latent ranks cost.
 
-    nice -n 10 .venv/bin/python evals/bench_gemm.py --threads 1 --repeats 9 --out evals/results \
+    nice -n 10 .venv/bin/python -m evals gemm --threads 1 --repeats 9 --out evals/results \
         --conditions "1 thread on 2 CPU cores shared with other jobs (load ~5), nice 10"
 
 Two sweeps of the two batched matmuls of attention over `seq` queries and `seq` keys per head:
@@ -20,7 +20,6 @@ once (about d for d << seq: below the machine's FLOP/byte ratio a matmul is boun
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from .suite import write_csv
+from .verbs import parse, parser
 FIELDS = ("sweep", "op", "heads", "seq", "inner_dim", "hidden", "ms", "tflops", "efficiency", "flops_per_byte",
           "dtype", "device", "threads", "conditions")
 
@@ -128,8 +128,8 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = parser("gemm", __doc__, threads=0, name="gemm")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seq", type=int, default=None, help="queries = keys per head (default 512 CPU, 4096 CUDA)")
@@ -140,26 +140,16 @@ def main() -> None:
     p.add_argument("--square", type=int, default=None, help="peak matmul size (default 2048 CPU, 8192 CUDA)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--conditions", default="", help="how the machine was shared, recorded in the CSV")
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--name", default="gemm")
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gpu = device.type == "cuda"
     args.seq = args.seq or (4096 if gpu else 512)
     args.square = args.square or (8192 if gpu else 2048)
     rows = run(args, device, dtype)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, args.out / f"{args.name}.csv", FIELDS)
     name = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} threads"
-    plot(rows, out / f"{args.name}.png", f"Batched attention matmuls, {args.dtype}, seq {args.seq} ({name})")
+    plot(rows, args.out / f"{args.name}.png", f"Batched attention matmuls, {args.dtype}, seq {args.seq} ({name})")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ matter for a cache that is offloaded or saved.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +22,11 @@ import torch
 
 import patchkv
 from patchkv.budgets import sixteen_bit_bytes
+from patchkv.records import markdown
 
-from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
+from .suite import CONFIGS, load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
+from .verbs import parse, parser, show_table
 
 FIELDS = ("method", "document", "tokens", "held_bytes_per_token", "file_bytes_per_token_raw",
           "file_bytes_per_token_deflate", "code_ratio", "compression_vs_bf16_held", "compression_vs_bf16_file",
@@ -61,36 +61,26 @@ def measure(model, tokenizer, artifacts, config: str, document: str, index: int,
 
 def table(rows: list[dict]) -> str:
     """Markdown: per configuration, the mean over documents."""
-    lines = ["| config | held B/token (vs bf16) | file B/token, DEFLATE (vs bf16) | codes raw / DEFLATE | documents |",
-             "|---|---|---|---|---|"]
+    lines = []
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
-
-        def mean(key):
-            return sum(float(r[key]) for r in mine) / len(mine)
-
-        lines.append(f"| {method} | {mean('held_bytes_per_token'):.0f} ({mean('compression_vs_bf16_held'):.2f}x) | "
-                     f"{mean('file_bytes_per_token_deflate'):.0f} ({mean('compression_vs_bf16_file'):.2f}x) | "
-                     f"{mean('code_ratio'):.3f} | {len(mine)} |")
-    return "\n".join(lines)
+        mean = {key: sum(float(r[key]) for r in mine) / len(mine) for key in FIELDS[3:9]}
+        lines.append([method, f"{mean['held_bytes_per_token']:.0f} ({mean['compression_vs_bf16_held']:.2f}x)",
+                      f"{mean['file_bytes_per_token_deflate']:.0f} ({mean['compression_vs_bf16_file']:.2f}x)",
+                      f"{mean['code_ratio']:.3f}", len(mine)])
+    return markdown(["config", "held B/token (vs bf16)", "file B/token, DEFLATE (vs bf16)", "codes raw / DEFLATE",
+                     "documents"], lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m evals lossless", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("lossless", __doc__, threads=2, name="lossless", table=True)
     p.add_argument("--configs", default="4x,8x,16x,32x")
     p.add_argument("--documents", default="prose,shakespeare,milton")
     p.add_argument("--docs", type=int, default=1, help="documents per domain")
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--table", action="store_true", help="print the table from the CSV")
-    args = p.parse_args(argv)
-    path = Path(args.out) / "lossless.csv"
+    args = parse(p, argv)
     if args.table:
-        print(table(list(csv.DictReader(open(path)))))
-        return
-    torch.set_num_threads(args.threads)
+        return show_table(args, table)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
     rows = []
@@ -101,9 +91,5 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(measure(model, tokenizer, artifacts, config, document, index, args.context,
                                         Path(folder)))
                     print(rows[-1], flush=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_provenance(path)
+    write_csv(rows, args.out / f"{args.name}.csv", FIELDS)
     print(table(rows))

@@ -26,7 +26,6 @@ runs each setting again in new processes; the table shows the median and the ran
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
 import os
@@ -39,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from .suite import CONFIGS, ROOT, write_provenance
+from .suite import CONFIGS, ROOT, write_csv
+from .verbs import parse, parser, show_table
 
 FIELDS = ("method", "context", "logits", "allocator", "repeat", "peak_mib", "held_mib", "cache_mib", "seconds")
 ALLOCATORS = {"glibc": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
@@ -124,37 +124,24 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m evals memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("memory", __doc__, threads=1, name="memory", table=True)
     p.add_argument("--methods", default="unpatched,8x")
     p.add_argument("--contexts", default="4096,32768")
     p.add_argument("--logits", default="last,all", help="last (logits_to_keep=1), all, or both")
     p.add_argument("--allocators", default="glibc,mmap", help=f"of {sorted(ALLOCATORS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--jobs", type=int, default=1, help="measurements run side by side (each its own process)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of each measurement")
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--name", default="memory")
-    p.add_argument("--table", action="store_true")
     p.add_argument("--one", nargs=3, metavar=("METHOD", "CONTEXT", "LOGITS"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    out = Path(args.out)
+    args = parse(p, argv)  # --threads: of each measurement
     if args.one:
-        torch.set_num_threads(args.threads)
         method, context, logits = args.one
         print(json.dumps(measure(method, int(context), logits)))
         return
     if args.table:
-        print(table(list(csv.DictReader(open(out / f"{args.name}.csv")))))
-        return
+        return show_table(args, table)
     settings = [(m, int(c), lg, a, r) for c in args.contexts.split(",") for lg in args.logits.split(",")
                 for a in args.allocators.split(",") for r in range(args.repeats) for m in args.methods.split(",")]
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda s: run_one(*s, args.threads), settings))
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    write_provenance(out / f"{args.name}.csv", {"threads": args.threads, "jobs": args.jobs})
+    write_csv(rows, args.out / f"{args.name}.csv", FIELDS, {"threads": args.threads, "jobs": args.jobs})
     print(table(rows))

@@ -9,17 +9,17 @@ forward, so the ratio holds on a busy machine. Median over rounds, one row per s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import patchkv
-from evals.suite import CONFIGS, load_artifacts, load_smollm2, write_csv
-from evals.tasks import TASKS
 from patchkv.methods import Salience
+
+from .suite import CONFIGS, load_artifacts, load_smollm2, write_csv
+from .tasks import TASKS
+from .verbs import parse, parser
 
 
 def measure(model, tokenizer, artifacts, config: str, context: int) -> tuple[float, float]:
@@ -48,14 +48,11 @@ def measure(model, tokenizer, artifacts, config: str, context: int) -> tuple[flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m evals salience", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", default="16x-novelty,16x-codeerror,16x-keynorm")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    p = parser("salience", __doc__)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default="16x-novelty,16x-codeerror,16x-keynorm")
+    args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
     runs = {c: [] for c in args.configs.split(",")}
@@ -69,5 +66,4 @@ def main(argv: list[str] | None = None) -> None:
             for config, r in runs.items()]
     for row in rows:
         print(row)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "salience_cost.csv")

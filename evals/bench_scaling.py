@@ -49,9 +49,7 @@ some contexts again (or more of them) and keeps the CSV's other rows, each with 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import csv
 import gc
 import json
 import os
@@ -73,7 +71,8 @@ from patchkv.provenance import commit
 from .bench_memory import ALLOCATORS, status_mib
 from .bench_throughput import ratios_to, rounds
 from .profile_paths import prose_ids
-from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
+from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, read_csv, write_csv
+from .verbs import parse, parser, show_table
 
 FIELDS = ("method", "context", "batch", "fill", "decode_s", "decode_ratio", "projections_s", "exact_s", "middle_s",
           "merge_s", "rest_s", "chunk64_s", "chunk64_ratio", "prefill_s", "process_peak_mib", "step_extra_mib",
@@ -419,8 +418,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m evals scaling", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("scaling", __doc__, threads=2, name="scaling", table=True)
     p.add_argument("--contexts", default="1024,4096,8192,32768,131072")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--prefill-max", type=int, default=4096, help="largest context prefilled by the model itself")
@@ -434,26 +432,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-source", type=int, default=1024, help="real tokens a memory process's cache repeats")
     p.add_argument("--rope-factor", type=float, default=0.0, help="linear RoPE factor (0: largest context / 8192)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--name", default="scaling")
-    p.add_argument("--table", action="store_true")
     p.add_argument("--memory-only", action="store_true", help="measure memory again at --contexts, in the CSV's rows")
     p.add_argument("--keep", action="store_true", help="keep the CSV's rows of contexts not run now")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "CONTEXT"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    out = Path(args.out)
+    args = parse(p, argv)
+    out = args.out
     if args.table:
-        print(table(list(csv.DictReader(open(out / f"{args.name}.csv")))))
-        return
-    torch.set_num_threads(args.threads)
+        return show_table(args, table)
     contexts = [int(c) for c in args.contexts.split(",")]
     args.rope_factor = args.rope_factor or rope_factor(max(contexts))
     if args.one:
         print(json.dumps(measure_memory(args.one[0], int(args.one[1]), args.memory_source, args.rope_factor)))
         return
     if args.memory_only:  # the CSV's batch-1 rows at these contexts get new memory columns, nothing else changes
-        rows = list(csv.DictReader(open(out / f"{args.name}.csv")))
+        rows = read_csv(out / f"{args.name}.csv")
         for row in rows:
             if int(row["context"]) in contexts and row["batch"] == "1":
                 row.update(memory_row(row["method"], int(row["context"]), args))
@@ -471,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
              "command": "python -m evals scaling " + " ".join(argv if argv is not None else sys.argv[1:])}
     path = out / f"{args.name}.csv"
     # --keep: the rows of other contexts already in the CSV stay (each row names the commit and command it came from)
-    rows = [r for r in csv.DictReader(open(path)) if int(r["context"]) not in contexts] \
+    rows = [r for r in read_csv(path) if int(r["context"]) not in contexts] \
         if args.keep and path.is_file() else []
     for context in contexts:
         here = [(k, v[:, :, :context]) for k, v in source] if context < source[0][0].shape[2] else source
@@ -495,11 +487,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write(rows: list[dict], out: Path, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.name}.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    write_provenance(path, {"threads": args.threads, "rope_factor": args.rope_factor, "device": args.device})
+    write_csv(rows, out / f"{args.name}.csv", FIELDS,
+              {"threads": args.threads, "rope_factor": args.rope_factor, "device": args.device})
     plot(rows, out / f"{args.name}.png")

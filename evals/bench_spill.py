@@ -16,7 +16,6 @@ and to decode, timed side by side in one run.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -28,8 +27,9 @@ from patchkv.block_codec import BlockCodec, Rotations
 from patchkv.prefix_store import PrefixStore, Spill, block_keys
 
 from .bench_blocks import BUDGETS, DOMAINS, prefix_kv
-from .suite import ROOT, load_artifacts, load_smollm2, write_csv
+from .suite import load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
+from .verbs import parse, parser
 
 
 def timed_ms(action) -> tuple[object, float]:
@@ -63,16 +63,12 @@ def spill_round(blocks: dict[bytes, bytes], folder: Path, compress: str | None, 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m evals spill", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "evals" / "results")
-    parser.add_argument("--docs", type=int, default=1, help="documents of each domain")
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--block", type=int, default=32, help="tokens per stored block")
-    parser.add_argument("--level", type=int, default=Spill.level, help="zlib level of the lossless stage")
-    parser.add_argument("--threads", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    p = parser("spill", __doc__, threads=0)
+    p.add_argument("--docs", type=int, default=1, help="documents of each domain")
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--block", type=int, default=32, help="tokens per stored block")
+    p.add_argument("--level", type=int, default=Spill.level, help="zlib level of the lossless stage")
+    args = parse(p, argv)
     model, tokenizer = load_smollm2(torch.bfloat16)
     artifact = load_artifacts(torch.bfloat16)["pre_rope"]
     rotations = Rotations.from_model(model)

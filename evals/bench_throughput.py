@@ -21,20 +21,19 @@ within a run; never assert on them.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import copy
-import csv
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from .profile_paths import prose_ids
-from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
 from transformers import DynamicCache
 
 import patchkv
+
+from .profile_paths import prose_ids
+from .suite import CONFIGS, load_artifacts, load_smollm2, write_csv
+from .verbs import parse, parser, show_table
 
 FIELDS = ("path", "method", "context", "tokens", "seconds", "ratio_to_unpatched", "ratio_to_quantizedcache")
 UNPATCHED = ("unpatched", "unpatched-eager")
@@ -157,24 +156,17 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m evals throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("throughput", __doc__, threads=2, name="throughput", table=True)
     p.add_argument("--context", type=int, default=4096, help="context of the 64-token forwards")
     p.add_argument("--decode-contexts", default="8192,32768")
     p.add_argument("--forward-methods", default="unpatched,unpatched-eager,quanto-int4,4x,8x,16x")
     p.add_argument("--decode-methods", default="unpatched,unpatched-eager,quanto-int4,4x,8x,16x,8x-top256")
     p.add_argument("--calib-tokens", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--paths", default="forward64,decode,calibrate")
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--name", default="throughput")
-    p.add_argument("--table", action="store_true")
-    args = p.parse_args(argv)
-    out = Path(args.out)
+    args = parse(p, argv)
     if args.table:
-        print(table(list(csv.DictReader(open(out / f"{args.name}.csv")))))
-        return
-    torch.set_num_threads(args.threads)
+        return show_table(args, table)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
     paths = args.paths.split(",")
@@ -192,12 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             del fns
     if "calibrate" in paths:
         rows += calibration_rows(model, tokenizer, args.calib_tokens, max(2, args.rounds // 3))
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    write_provenance(out / f"{args.name}.csv")
-    plot(rows, out / f"{args.name}.png")
+    write_csv(rows, args.out / f"{args.name}.csv", FIELDS)
+    plot(rows, args.out / f"{args.name}.png")
     print(table(rows))
 

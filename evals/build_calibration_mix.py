@@ -1,6 +1,6 @@
 """Build the default calibration set shipped with the package (`patchkv/data/general_mix.txt.gz`).
 
-    .venv/bin/python evals/build_calibration_mix.py
+    .venv/bin/python -m evals build-mix
 
 Alternating 8,000-character pieces of modern technical prose (`evals/data/prose_calibration.txt`: Python 3
 documentation sources, PSF License, none of the held-out prose evaluation files) and verse/drama (the Shakespeare
@@ -11,14 +11,14 @@ each, deterministic. Milton is never included (the cross-domain check). `patchkv
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import itertools
-from pathlib import Path
 
 from patchkv.corpus import shakespeare_train
 
-ROOT = Path(__file__).resolve().parents[1]
+from .suite import ROOT
+from .verbs import parse, parser
+
 OUT = ROOT / "patchkv" / "data" / "general_mix.txt.gz"
 PIECE = 8000
 
@@ -27,10 +27,10 @@ def pieces(text: str, chars: int) -> list[str]:
     return [text[i:i + PIECE] for i in range(0, min(len(text), chars), PIECE)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = parser("build-mix", __doc__, out=None, threads=None)
     p.add_argument("--chars", type=int, default=1_200_000, help="characters of each source")
-    args = p.parse_args()
+    args = parse(p, argv)
     prose = pieces((ROOT / "evals" / "data" / "prose_calibration.txt").read_text(encoding="utf-8"), args.chars)
     verse = pieces("\n\n".join(shakespeare_train()), args.chars)
     mix = "\n\n".join(p for pair in itertools.zip_longest(prose, verse) for p in pair if p)

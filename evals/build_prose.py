@@ -1,7 +1,7 @@
 """Build the modern-prose evaluation set and a disjoint calibration text from the Python documentation sources.
 
     apt-get install -y python3-doc        # Debian: /usr/share/doc/python3.X/html/_sources/**/*.rst.txt
-    .venv/bin/python evals/build_prose.py [--sources DIR]
+    .venv/bin/python -m evals build-prose [--sources DIR]
 
 Writes (deterministic; the outputs are committed):
   patchkv/tasks/data/prose_heldout.jsonl   lm-eval documents {"text": ...} from held-out files (~300 KB)
@@ -16,13 +16,14 @@ carry that notice.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from .suite import ROOT
+from .verbs import parse, parser
+
 HELDOUT = ROOT / "patchkv" / "tasks" / "data" / "prose_heldout.jsonl"
 CALIBRATION = ROOT / "evals" / "data" / "prose_calibration.txt"
 HELDOUT_BYTES = 300_000
@@ -55,10 +56,10 @@ def paragraphs_chunks(text: str, max_chars: int = 3000) -> list[str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sources", type=Path, default=None)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    p = parser("build-prose", __doc__, out=None, threads=None)
+    p.add_argument("--sources", type=Path, default=None, help="the .rst.txt sources (default: python3-doc's)")
+    args = parse(p, argv)
     src = args.sources or find_sources()
     files = [p for p in src.rglob("*.rst.txt") if not any(s in p.relative_to(src).as_posix() for s in SKIP)]
     files = [p for p in files if 2_000 <= p.stat().st_size <= 150_000]

@@ -1,6 +1,6 @@
 """Build the local lm-eval task data from the corpus (deterministic; the outputs are committed).
 
-    python evals/build_tasks.py
+    python -m evals build-tasks
 
 Writes patchkv/tasks/data/{shakespeare_heldout,milton,shakespeare_cloze}.jsonl. The Shakespeare files use
 only the held-out works (patchkv.corpus.HELD_OUT), never seen in training or calibration.
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 from patchkv.corpus import milton, shakespeare_held_out
 
-ROOT = Path(__file__).resolve().parents[1]
+from .suite import ROOT, SMOLLM2
+from .verbs import parse, parser
+
 DATA = ROOT / "patchkv" / "tasks" / "data"
-SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
 LONG_TOKENS = 4095
 
 
@@ -63,7 +63,8 @@ def long_documents(texts: list[str], tokenizer, tokens: int = LONG_TOKENS) -> li
     return [tokenizer.decode(ids[i:i + tokens]) for i in range(0, len(ids) - tokens + 1, tokens)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parse(parser("build-tasks", __doc__, out=None, threads=None), argv)
     DATA.mkdir(parents=True, exist_ok=True)
     held = shakespeare_held_out()
     write("shakespeare_heldout", [{"text": t} for t in chunks(held)])

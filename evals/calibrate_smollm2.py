@@ -1,6 +1,6 @@
 """Calibrate the shipped SmolLM2-135M-Instruct bases on the general-domain mix (committed command).
 
-    python evals/calibrate_smollm2.py --out artifacts/smollm2-bases
+    python -m evals calibrate --out artifacts/smollm2-bases
 
 The mix interleaves 8,000-character pieces of modern technical prose (evals/data/prose_calibration.txt,
 Python docs held out of the prose evaluation) and verse/drama (the Shakespeare training works, none of the
@@ -45,8 +45,8 @@ from patchkv.cli import budget_list
 from patchkv.corpus import shakespeare_train
 from patchkv.steps import fit_step_scales
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
+from .suite import BASES, ROOT, SMOLLM2
+from .verbs import parse, parser
 
 
 def pieces(text: str, size: int = 8000) -> list[str]:
@@ -60,9 +60,8 @@ def general_mix() -> list[str]:
     return [p for pair in itertools.zip_longest(prose, verse) for p in pair if p]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "artifacts" / "smollm2-bases"))
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("calibrate", __doc__, out=BASES, threads=0)
     ap.add_argument("--max-tokens", type=int, default=65_536)
     ap.add_argument("--sink-tokens", type=int, default=4)
     ap.add_argument("--modes", default="pre_rope,post_rope")
@@ -77,11 +76,9 @@ def main() -> None:
     ap.add_argument("--step-seq", type=int, default=2048)
     ap.add_argument("--step-modes", default="pre_rope", help="modes whose artifacts get step scales")
     ap.add_argument("--step-passes", type=int, default=3, help="keys, values, keys again (3) or keys, values (2)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--steps-only", action="store_true", help="refit the step scales of the artifacts in --out")
     ap.add_argument("--layer-bases-only", action="store_true", help="add layer bases to the artifacts in --out")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    args = parse(ap, argv)
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
     ids = step_ids(tokenizer, args.step_rows, args.step_seq)

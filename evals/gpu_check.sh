@@ -7,7 +7,7 @@
 #
 # 1. the Triton kernels against their PyTorch references, compiled on CUDA (the script of tests/test_kernels.py
 #    with CUDA as the default device; --cpu-smoke: under TRITON_INTERPRET=1);
-# 2. the GEMM benchmark (evals/bench_gemm.py);
+# 2. the GEMM benchmark (python -m evals gemm, evals/bench_gemm.py);
 # 3. the scaling benchmark's rows on this device (python -m evals scaling --device cuda: 1k to 128k, every method,
 #    decode by stage, 64-token chunks, prefill to 32k, memory), stopped after $SCALING_SECONDS (default 300; 1500 with
 #    --cpu-smoke) so the
@@ -62,7 +62,7 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 torch.set_default_device('$DEVICE')
 exec(module.SCRIPT)"
-step "GEMM benchmark ($DEVICE)" "$PY" evals/bench_gemm.py --device "$DEVICE" "${GEMM_ARGS[@]}" \
+step "GEMM benchmark ($DEVICE)" "$PY" -m evals gemm --device "$DEVICE" "${GEMM_ARGS[@]}" \
   --conditions "gpu_check.sh on $DEVICE" --out "$RESULTS"
 # QUANTO: the QuantizedCache config where optimum-quanto imports (the lent machine may not have it)
 QUANTO=$("$PY" -c "import optimum.quanto" 2>/dev/null && echo "quanto-int4," || true)

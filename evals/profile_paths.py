@@ -18,18 +18,18 @@ the ratios).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
-from pathlib import Path
 
 import torch
-from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import patchkv
+
+from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_provenance
+from .verbs import parse, parser
 
 #: top-level labels per path (others nest inside these)
 TOP = {"calibrate": ("patchkv::moments", "patchkv::fisher_backward", "patchkv::pca"),
@@ -87,16 +87,13 @@ def _nested_in(inner: str, outer: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m evals profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("profile", __doc__, threads=2)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--decode-context", type=int, default=8192)
     p.add_argument("--calib-tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--config", default="8x", help=f"the patchkv config profiled, among {', '.join(CONFIGS)}")
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
     lines = [f"# Profile of the three paths ({args.config} config, SmolLM2-135M-Instruct, bfloat16)", "",
@@ -145,9 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                 wall, labels, ops = profiled(forward, args.repeats)
             lines += table(title, wall, labels, ops, TOP["forward"])
         model.set_attn_implementation("sdpa")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.md").write_text("\n".join(lines))
-    write_provenance(out / "profile.md")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.md").write_text("\n".join(lines))
+    write_provenance(args.out / "profile.md")
     print("\n".join(lines))
 

@@ -1,11 +1,11 @@
 """The research figures, measured on the real SmolLM2-135M-Instruct (30 layers, 3 KV heads of head_dim 64).
 
-    .venv/bin/python evals/research_figures.py capture      # forward passes; caches K/V moments and K/V/Q to .cache/research
-    .venv/bin/python evals/research_figures.py fig1         # L2 / score error vs matrix size, per method
-    .venv/bin/python evals/research_figures.py fig2         # cross-domain relative error vs calibration tokens
-    .venv/bin/python evals/research_figures.py fig3         # relative error vs context position, sinks in/out of calibration
-    .venv/bin/python evals/research_figures.py fig4         # DP bit allocation vs component index (per head and global)
-    .venv/bin/python evals/research_figures.py fig5         # RoPE and the PCA directions of one head
+    .venv/bin/python -m evals figures capture      # forward passes; caches K/V moments and K/V/Q to .cache/research
+    .venv/bin/python -m evals figures fig1         # L2 / score error vs matrix size, per method
+    .venv/bin/python -m evals figures fig2         # cross-domain relative error vs calibration tokens
+    .venv/bin/python -m evals figures fig3         # relative error vs context position, sinks in/out of calibration
+    .venv/bin/python -m evals figures fig4         # DP bit allocation vs component index (per head and global)
+    .venv/bin/python -m evals figures fig5         # RoPE and the PCA directions of one head
 
 `capture` runs every forward pass once (single thread, float32, sdpa attention) and stores:
   - calibration moments (float64 sums and outer products per layer and KV head) of pre-RoPE keys, post-RoPE keys
@@ -20,25 +20,17 @@ The figure subcommands only read that cache (seconds to a few minutes each).
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
-import math
-import sys
+import os
 import time
-from pathlib import Path
 
 import torch
 
-torch.set_num_threads(1)
+from .suite import RESULTS, ROOT, SMOLLM2, write_csv
+from .verbs import parse, parser
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-MODEL = ROOT / ".models" / "SmolLM2-135M-Instruct"
-import os
+MODEL = SMOLLM2
 CACHE = ROOT / ".cache" / os.environ.get("RESEARCH_CACHE", "research")
-RESULTS = ROOT / "evals" / "results"
 SEQ_LEN, BATCH, SINKS = 512, 2, 4
 CHECKPOINTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 HELD_LEN, QUERY_EVERY = int(os.environ.get("RESEARCH_HELD_LEN", 8192)), 8
@@ -242,17 +234,6 @@ def reconstruct(x: torch.Tensor, mean: torch.Tensor, vecs: torch.Tensor, rank: i
     return basis.reconstruct(coeffs)[0]
 
 
-def write_csv(rows: list[dict], name: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {path} ({len(rows)} rows)")
-    return path
-
-
 def plt():
     import matplotlib
 
@@ -332,7 +313,7 @@ def fig1() -> None:
                          "value_rms_err_per_element": round((sums["v_err"] / (T * per_token)) ** 0.5, 5),
                          "mean_abs_logit_err": round(sums["s_err"] / pairs_n, 5),
                          "mean_abs_logit": round(sums["s_ref"] / pairs_n, 4)})
-    write_csv(rows, "research_fig1_error_vs_size.csv")
+    write_csv(rows, RESULTS / "research_fig1_error_vs_size.csv")
     p = plt()
     fig, ax = p.subplots(1, 3, figsize=(16, 4.6))
     for i, (name, _, _, _) in enumerate(METHODS1):
@@ -398,7 +379,7 @@ def fig2() -> None:
                              "keys_pre_rope_rel_l2": round(e["keys"], 5), "keys_post_rope_rel_l2": round(e["keys_post"], 5),
                              "values_rel_l2": round(e["values"], 5)})
                 print(rows[-1], flush=True)
-    write_csv(rows, "research_fig2_calibration_tokens.csv")
+    write_csv(rows, RESULTS / "research_fig2_calibration_tokens.csv")
     p = plt()
     fig, ax = p.subplots(1, 3, figsize=(15, 4.5))
     for a, col, title in zip(ax, ("keys_pre_rope_rel_l2", "keys_post_rope_rel_l2", "values_rel_l2"),
@@ -492,8 +473,8 @@ def fig3() -> None:
                         "keys_post_long_calib_rel_l2": round(float(err["long"][lo:hi].sum() / norm[lo:hi].sum()) ** 0.5, 5),
                         "keys_post_512_calib_rel_l2": round(float(err["short"][lo:hi].sum() / norm[lo:hi].sum()) ** 0.5, 5),
                         "keys_pre_512_calib_rel_l2": round(float(err["pre"][lo:hi].sum() / norm[lo:hi].sum()) ** 0.5, 5)})
-    write_csv(control, "research_fig3_post_rope_long_calibration.csv")
-    write_csv(rows, "research_fig3_error_vs_position.csv")
+    write_csv(control, RESULTS / "research_fig3_post_rope_long_calibration.csv")
+    write_csv(rows, RESULTS / "research_fig3_error_vs_position.csv")
     p = plt()
     fig, ax = p.subplots(1, 2, figsize=(13, 4.6))
     centers = [max(0.5, (lo + hi - 1) / 2) if hi - lo > 1 else max(lo, 0.5) for lo, hi in bins]
@@ -564,7 +545,7 @@ def fig4() -> None:
                                      "kind": kind, "bits_per_head": budget, "ratio_vs_fp16": 1024 // budget,
                                      "band": band, "component": c + 1, "mean_bits": round(float(b[:, c].mean()), 4),
                                      "min_bits": int(b[:, c].min()), "max_bits": int(b[:, c].max())})
-    write_csv(rows, "research_fig4_bit_allocation.csv")
+    write_csv(rows, RESULTS / "research_fig4_bit_allocation.csv")
     p = plt()
     ncol = 3 if global_bits else 2
     fig, ax = p.subplots(1, ncol, figsize=(5.3 * ncol, 4.6))
@@ -621,13 +602,13 @@ def fig5() -> None:
                          "pre_rank16_energy": round(float(frac["pre"][L_, h, :16].sum()), 4),
                          "post_rank16_energy": round(float(frac["post"][L_, h, :16].sum()), 4),
                          "chosen": int(L_ == layer and h == head)})
-    write_csv(rows, "research_fig5_rope_pca.csv")
+    write_csv(rows, RESULTS / "research_fig5_rope_pca.csv")
     cum = [{"component": c + 1, "pre_rope_cum": round(float(frac["pre"][layer, head, : c + 1].sum()), 5),
             "post_rope_cum": round(float(frac["post"][layer, head, : c + 1].sum()), 5),
             "pre_rope_cum_mean_all_heads": round(float(frac["pre"][..., : c + 1].sum(-1).mean()), 5),
             "post_rope_cum_mean_all_heads": round(float(frac["post"][..., : c + 1].sum(-1).mean()), 5)}
            for c in range(frac["pre"].shape[-1])]
-    write_csv(cum, "research_fig5_rope_cumulative.csv")
+    write_csv(cum, RESULTS / "research_fig5_rope_cumulative.csv")
     p = plt()
     fig, ax = p.subplots(1, 3, figsize=(16, 4.8))
     pos = torch.arange(n).float()
@@ -660,8 +641,8 @@ def fig5() -> None:
 
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = parser("figures", __doc__, out=None)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture")
     c.add_argument("--calib-domains", default="verse,prose")
@@ -670,7 +651,7 @@ def main() -> None:
     c.add_argument("--prose-seqs", type=int, default=1)
     for name in ("fig1", "fig2", "fig3", "fig4", "fig5"):
         sub.add_parser(name)
-    args = p.parse_args()
+    args = parse(p, argv)
     if args.cmd == "capture":
         capture(args)
     else:

@@ -1,6 +1,6 @@
 """Gemma 3: effect weights measured on 2,048-token calibration sequences against the default 512, at equal bytes.
 
-    .venv/bin/python -m evals.research_gemma_effect      # about 25 minutes on one busy core (the calibration)
+    .venv/bin/python -m evals gemma-effect      # about 25 minutes on one busy core (the calibration)
 
 The hypothesis it tests (README, "Gemma 3"): on 512-token sequences a full-attention layer's tokens are read by no
 more queries than a sliding layer's (window 512), so the effect weights undervalue the three full layers at longer
@@ -26,14 +26,13 @@ from patchkv.budgets import bits_for_ratio, parse_budget
 from patchkv.cli import _load_model
 from patchkv.memory import cache_nbytes
 from patchkv.methods import Quantized
-from patchkv.perplexity import token_nll
 from patchkv.report import default_text
 from patchkv.texts import read_texts
 
-from .suite import ROOT
+from .suite import GEMMA3, GEMMA3_BASES, ROOT, perplexity, text_ids
+from .verbs import parse, parser
 
-MODEL = ROOT / ".models/gemma-3-270m"
-SHIPPED = ROOT / "artifacts/gemma3-bases/pre_rope.safetensors"
+SHIPPED = GEMMA3_BASES / "pre_rope.safetensors"
 LONG = ROOT / ".cache/gemma3_seq2048.safetensors"
 CONTEXT = 2048
 
@@ -44,10 +43,10 @@ def plain(a: Artifact) -> Artifact:
     return Artifact(mode=a.mode, model=a.model, calibration=a.calibration, step_budgets=None, **parts)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def main(argv: list[str] | None = None) -> None:
+    parse(parser("gemma-effect", __doc__, out=None), argv)
     start = time.time()
-    model, tokenizer = _load_model(str(MODEL), "auto")
+    model, tokenizer = _load_model(str(GEMMA3), "auto")
     if LONG.exists():
         long = Artifact.load(LONG)
     else:
@@ -60,16 +59,15 @@ def main() -> None:
     long = plain(long).with_sliding_windows(shipped.sliding_windows)
     model = model.to(torch.bfloat16)
     _, text = default_text()
-    ids = torch.tensor([([tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"])[:CONTEXT]])
-    base = token_nll(model, ids, 64).perplexity
+    ids = text_ids(tokenizer, text, CONTEXT)
+    base = perplexity(model, ids).perplexity
     for label, art in (("seq512", shipped), ("seq2048", long)):
         for ratio in (8, 16):
             alike = parse_budget(f"{ratio}x").methods(art, CONTEXT)
             bits = bits_for_ratio(art, ratio, pool="global", context=CONTEXT, priced=True)
             priced = [alike[0], Quantized(bits, pool="global", context=CONTEXT)]
             for kind, methods in (("alike", alike), ("priced", priced)):
-                with patchkv.patched(model, art, methods):
-                    scored = token_nll(model, ids, 64)
+                scored = perplexity(model, ids, art, methods)
                 print(label, f"{ratio}x", kind, methods[1].spec(), round(cache_nbytes(scored.cache) / CONTEXT, 1),
                       round(scored.perplexity, 4), f"{100 * (scored.perplexity / base - 1):+.1f}%",
                       f"{time.time() - start:.0f} s", flush=True)

@@ -27,11 +27,9 @@ CSV row each (`loss_sources.csv`, + provenance sidecar):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -44,17 +42,16 @@ from patchkv.artifact import KINDS, Artifact
 from patchkv.allocation import code_bytes
 from patchkv.budgets import exact_tokens, parse_budget
 from patchkv.cache import LatentLayer
-from patchkv.memory import cache_nbytes
 from patchkv.methods import Quantized, SinksWindow
 from patchkv.perplexity import token_nll
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP, allocate_bits
 from patchkv.report import default_text
 from patchkv.texts import default_texts
 
-from .suite import BASES, ROOT, write_csv
+from .suite import BASES, GEMMA3_BASES, RESULTS, load_gemma3, perplexity_fields, text_ids, write_csv
+from .verbs import parse, parser
 
-ARTIFACT = ROOT / "artifacts/gemma3-bases/pre_rope.safetensors"
-MODEL = ROOT / ".models/gemma-3-270m"
+ARTIFACT = GEMMA3_BASES / "pre_rope.safetensors"
 CHUNK = 64
 FINE = 8  # bits per component that stand in for exact (with a range 1.5x the calibrated one)
 MSE = torch.tensor(GAUSSIAN_MSE, dtype=torch.float64)
@@ -124,22 +121,14 @@ def recency_tier(artifact: Artifact, tier: int, bits: tuple[torch.Tensor, torch.
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "evals/results/gemma3")
+    p = parser("gemma-loss", __doc__, out=RESULTS / "gemma3")
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).eval()
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    args = parse(p, argv)
+    model, tokenizer = load_gemma3()
     artifact = without_step_scales(Artifact.load(ARTIFACT))
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     name, text = default_text()
-    held_out = torch.tensor([(bos + tokenizer(text, add_special_tokens=False)["input_ids"])[:args.context]])
-    calibration = torch.tensor([(bos + tokenizer("\n\n".join(default_texts()),
-                                                 add_special_tokens=False)["input_ids"])[:args.context]])
+    held_out = text_ids(tokenizer, text, args.context)
+    calibration = text_ids(tokenizer, "\n\n".join(default_texts()), args.context)
     context = held_out.shape[1]
     eight = parse_budget("8x").methods(artifact, context)
     bits8 = eight[1].bits
@@ -153,11 +142,9 @@ def main(argv: list[str] | None = None) -> None:
                extra_bytes: float = 0.0, **fields) -> float:
         with coded_with(bits, scales), patchkv.patched(model, artifact, methods):
             scored = token_nll(model, held_out if ids_key == "prose" else calibration, CHUNK)
-        change = 100 * (scored.perplexity / base[ids_key] - 1)
         rows.append({"part": part, "configuration": configuration, "text": name if ids_key == "prose" else
                      "calibration mix", "context": context,
-                     "kv_bytes_per_token": round(cache_nbytes(scored.cache) / context + extra_bytes, 1),
-                     "perplexity": round(scored.perplexity, 4), "change_pct": round(change, 2),
+                     **perplexity_fields(scored, base[ids_key], context, extra_bytes),
                      "predicted_nats": fields.get("predicted", ""), "measured_nats": fields.get("measured", "")})
         print(rows[-1], flush=True)
         write_csv(rows, args.out / "loss_sources.csv")

@@ -12,45 +12,34 @@ cache), perplexity and its change against unpatched.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
-import patchkv
 from patchkv.artifact import Artifact
 from patchkv.budgets import parse_budget
-from patchkv.memory import cache_nbytes
-from patchkv.perplexity import token_nll
 from patchkv.texts import default_texts
 
-from .suite import BASES, ROOT, load_smollm2, write_csv
+from .suite import BASES, load_smollm2, perplexity, perplexity_fields, write_csv
+from .verbs import parse, parser
 
 CONTEXT = 4096
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "evals/results")
+    p = parser("near-tokens", __doc__)
     p.add_argument("--budget", default="16x")
     p.add_argument("--tokens", default="224,480,960")
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifact = Artifact.load(BASES / "pre_rope.safetensors")
     text = tokenizer("\n\n".join(default_texts()), add_special_tokens=False)["input_ids"]
     ids = torch.tensor([([tokenizer.bos_token_id] + text)[-CONTEXT:]])
-    base = token_nll(model, ids, 64).perplexity
+    base = perplexity(model, ids).perplexity
     rows = []
     for budget in [args.budget, *(f"{args.budget}+near:tokens={n}" for n in args.tokens.split(","))]:
         methods = parse_budget(budget).methods(artifact, CONTEXT)
-        with patchkv.patched(model, artifact, methods):
-            scored = token_nll(model, ids, 64)
+        scored = perplexity(model, ids, artifact, methods)
         rows.append({"budget": budget, "middle_bits": methods[1].bits, "context": CONTEXT, "text": "calibration mix",
-                     "kv_bytes_per_token": round(cache_nbytes(scored.cache) / CONTEXT, 1),
-                     "perplexity": round(scored.perplexity, 4),
-                     "change_pct": round(100 * (scored.perplexity / base - 1), 2)})
+                     **perplexity_fields(scored, base, CONTEXT)})
         print(rows[-1], flush=True)
         write_csv(rows, args.out / "near_tokens.csv")
 

@@ -1,6 +1,6 @@
 """Research: two changes to the 16x codes that keep the bytes fixed, measured through the real cache.
 
-    .venv/bin/python -m evals.research_quantizer --out evals/results --ratios 16   # about 12 minutes on one core
+    .venv/bin/python -m evals quantizer --out evals/results --ratios 16   # about 12 minutes on one core
 
 SmolLM2-135M-Instruct in bfloat16, the shipped pre-RoPE artifact, held-out perplexity of the first document of
 each perplexity task (prose, Shakespeare, Milton; 4,096 tokens fed 64 per forward through the `LatentCache`, as
@@ -21,10 +21,8 @@ perplexity, change against unpatched on the same document, bytes per token held.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -35,8 +33,9 @@ from patchkv.latent import LatentBasis
 from patchkv.methods import Quantized, SinksWindow
 from patchkv.methods.quantized import QuantizedCodec
 
-from .suite import ROOT, load_artifacts, load_smollm2, write_csv
+from .suite import load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
+from .verbs import parse, parser
 
 WINDOWS = (8, 16, 32, 64, 128)
 RATIOS = (16, 32)
@@ -93,13 +92,10 @@ def variants(artifact, context: int, ratios: tuple[float, ...] = RATIOS) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--threads", type=int, default=1)
+    p = parser("quantizer", __doc__)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--ratios", default="16,32", help="compression ratios to try the variants at")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifact = load_artifacts()["pre_rope"]
     rows, base = [], {}
@@ -117,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                          "vs_unpatched_pct": round(100 * (ppl / base[task] - 1), 2),
                          "kv_bytes_per_token": round(scored.kv_bytes_per_token, 1)})
             print(rows[-1], flush=True)
-    write_csv(rows, Path(args.out) / "quantizer_variants.csv")
+    write_csv(rows, args.out / "quantizer_variants.csv")
 
 
 if __name__ == "__main__":

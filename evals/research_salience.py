@@ -1,6 +1,6 @@
 """Research: which tokens to keep exact beside the codes, and how many, on RULER niah_single_1 at 4k.
 
-    .venv/bin/python -m evals.research_salience --out evals/results   # about 25 minutes on one core
+    .venv/bin/python -m evals salience-variants --out evals/results   # about 25 minutes on one core
 
 SmolLM2-135M-Instruct in bfloat16, the shipped pre-RoPE artifact, global pool, the suite's RULER protocol
 (`evals.tasks.Ruler.run`), on the samples the design was read from (`SAMPLES`: at 16x the five the suite's 16x
@@ -23,19 +23,19 @@ chosen on, so the suite's 16x-novelty score says more on the samples outside thi
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from pathlib import Path
 from unittest import mock
 
 import torch
 
 import patchkv
-from evals.suite import SMOLLM2, load_artifacts, load_smollm2, write_csv
-from evals.tasks import TASKS
 from patchkv.budgets import bits_for_ratio
 from patchkv.methods import Salience
 from patchkv.methods import novelty as novelty_module
+
+from .suite import SMOLLM2, load_artifacts, load_smollm2, write_csv
+from .tasks import TASKS
+from .verbs import parse, parser
 
 #: ratio -> the samples tried there: at 16x the suite's 16x misses (and 5, a miss of the head scope), at 32x the
 #: first ones that 32x-novelty misses or keeps
@@ -90,12 +90,9 @@ def variants(ratio: int) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    p.add_argument("--threads", type=int, default=1)
+    p = parser("salience-variants", __doc__)
     p.add_argument("--ratios", default="16,32")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifact = load_artifacts()["pre_rope"]
     task = TASKS["ruler_niah_single_1"]
@@ -118,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                              "kv_bytes_per_token": round(scored.kv_bytes_per_token, 1),
                              "methods": " + ".join(m.spec() for m in methods)})
                 print(rows[-1], flush=True)
-            write_csv(rows, Path(args.out) / "salience_variants.csv")  # after each variant: a long run keeps its rows
+            write_csv(rows, args.out / "salience_variants.csv")  # after each variant: a long run keeps its rows
 
 
 if __name__ == "__main__":

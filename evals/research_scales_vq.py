@@ -1,6 +1,6 @@
 """Research: per-token scales and vector quantization of the 16x codes, at equal bytes, simulated through the cache.
 
-    .venv/bin/python -m evals.research_scales_vq --out evals/results --ratios 16   # about 30 minutes on one core
+    .venv/bin/python -m evals scales-vq --out evals/results --ratios 16   # about 30 minutes on one core
 
 SmolLM2-135M-Instruct in bfloat16, the shipped pre-RoPE artifact, global pool, 4 sinks and a 32-token window exact
 (the suite's 16x), held-out perplexity of the first document of each perplexity task (prose, Shakespeare, Milton;
@@ -36,10 +36,8 @@ change against unpatched on the same document, KV bytes per token.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -53,8 +51,9 @@ from patchkv.perplexity import token_nll
 from patchkv.quantize import GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
-from .suite import ROOT, load_artifacts, load_smollm2, write_csv
+from .suite import load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
+from .verbs import parse, parser
 
 TASK_NAMES = ("ppl_prose", "ppl_shakespeare", "ppl_milton")
 VARIANTS = ("codes", "uniform", "token scale per head", "token scale per layer", "VQ d=1", "VQ d=2", "VQ d=4",
@@ -239,14 +238,11 @@ def fit_codebooks(model, tokenizer, artifact, bits: int, tokens: int) -> dict[tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    p.add_argument("--threads", type=int, default=1)
+    p = parser("scales-vq", __doc__)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--ratios", default="16", help="compression ratios to try the variants at")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifact = load_artifacts()["pre_rope"]
     rows, base = [], {}
@@ -280,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                              "ppl": round(ppl, 4), "vs_unpatched_pct": round(100 * (ppl / base[task] - 1), 2),
                              "kv_bytes_per_token": round(held, 1)})
                 print(rows[-1], flush=True)
-    write_csv(rows, Path(args.out) / "scales_vq.csv")
+    write_csv(rows, args.out / "scales_vq.csv")
 
 
 if __name__ == "__main__":

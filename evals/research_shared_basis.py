@@ -1,6 +1,6 @@
 """Research: would a basis shared across heads, or across layers and heads (KVTC's), beat per-head bases at equal bits?
 
-    .venv/bin/python -m evals.research_shared_basis --out evals/results    # about 6 minutes on one core
+    .venv/bin/python -m evals shared-basis --out evals/results    # about 6 minutes on one core
 
 SmolLM2-135M-Instruct in float32. The vectors the cache holds in pre-RoPE mode (k_proj outputs: un-rotated keys;
 v_proj outputs: values) are collected on `--fit-rows` + `--test-rows` sequences of 512 tokens of the general
@@ -28,7 +28,6 @@ effect weight, and its figures are in smollm2_accuracy.csv).
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
@@ -38,8 +37,9 @@ from patchkv.allocation import allocate_bits_global
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
-from .suite import ROOT, load_smollm2, write_csv
+from .suite import load_smollm2, write_csv
 from .tasks import TASKS
+from .verbs import parse, parser
 
 BUDGETS = (("4x", 249), ("8x", 119), ("16x", 55), ("32x", 23))  # bits per head at 4k, as evals/suite.py runs them
 GROUPINGS = ("head", "layer", "layers2", "layers5", "layers30")
@@ -133,15 +133,12 @@ def simulated_nll(model, ids: torch.Tensor, coded: dict[str, torch.Tensor], sink
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("shared-basis", __doc__)
     p.add_argument("--fit-rows", type=int, default=32)
     p.add_argument("--test-rows", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--docs", type=int, default=0, help="held-out documents per domain for the simulated perplexity")
     p.add_argument("--ppl-tokens", type=int, default=2048)
-    p.add_argument("--out", default=str(ROOT / "evals" / "results"))
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = load_smollm2(torch.float32)
     ids = tokenizer("\n\n".join(general_mix()[:40]), add_special_tokens=False)["input_ids"]
     rows = torch.tensor(ids[:(args.fit_rows + args.test_rows) * 512]).view(-1, 512)
@@ -160,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
                     "relative_distortion": round(float((held * mse[allocated]).sum() / held.sum()), 5),
                     "fit_tokens": fit[kind].shape[0], "test_tokens": test[kind].shape[0]})
                 print(out[-1], flush=True)
-    write_csv(out, Path(args.out) / "shared_basis.csv")
+    write_csv(out, args.out / "shared_basis.csv")
     if args.docs:
-        simulate(model, tokenizer, fitted_bases, args, Path(args.out) / "shared_basis_ppl.csv")
+        simulate(model, tokenizer, fitted_bases, args, args.out / "shared_basis_ppl.csv")
 
 
 def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:

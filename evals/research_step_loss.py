@@ -1,8 +1,8 @@
 """Step scales on a restricted vocabulary: does the loss over a few thousand tokens pick what the full loss picks?
 
-    .venv/bin/python -m evals.research_step_loss --model .models/SmolLM2-135M-Instruct \
+    .venv/bin/python -m evals step-loss --model .models/SmolLM2-135M-Instruct \
         --artifact artifacts/smollm2-bases/pre_rope.safetensors --budget 16x --out evals/results   # ~12 min, one core
-    .venv/bin/python -m evals.research_step_loss --model .models/gemma-3-270m \
+    .venv/bin/python -m evals step-loss --model .models/gemma-3-270m \
         --artifact artifacts/gemma3-bases/pre_rope.safetensors --budget 8x --points path --out evals/results
 
 `fit_step_scales` reads its loss over the text's tokens and each position's `top` likeliest tokens under the
@@ -17,7 +17,6 @@ each restricted loss, and the best candidate of each.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from pathlib import Path
 
@@ -30,7 +29,8 @@ from patchkv.cli import _held_out_rows, _load_model
 from patchkv.steps import GRID, loss_vocabulary, with_step_scales
 from patchkv.texts import read_texts
 
-from .suite import ROOT, write_csv, write_provenance
+from .suite import write_csv, write_provenance
+from .verbs import parse, parser
 
 #: the two-pass coordinate search's candidates when keys 1.25 win the first pass (the shipped Gemma fits' path)
 PATH = ((1.0, 1.0), (1.25, 1.0), (1.5, 1.0), (1.75, 1.0), (1.25, 1.25), (1.25, 1.5), (1.25, 1.75))
@@ -57,17 +57,14 @@ def losses(model, rows: torch.Tensor, vocabularies: dict[int, torch.Tensor], chu
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("step-loss", __doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--artifact", required=True)
     p.add_argument("--budget", default="16x")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--points", choices=("grid", "path"), default="grid")
     p.add_argument("--tops", default="16,64,256")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=ROOT / "evals/results")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(p, argv)
     model, tokenizer = _load_model(args.model, "auto")
     rows = _held_out_rows(read_texts(None), tokenizer, 2048)
     artifact = Artifact.load(args.artifact)

@@ -1,4 +1,5 @@
-"""What every benchmark shares: the reference model, the named configurations (registry), provenance.
+"""What every benchmark shares: the reference models, the named configurations (registry), perplexity rows, result
+files and their provenance.
 
     from evals.suite import CONFIGS, load_smollm2
     model, tokenizer = load_smollm2()
@@ -13,7 +14,10 @@ provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads,
 
 from __future__ import annotations
 
+import csv
 import json
+from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import cache
 from pathlib import Path
 
@@ -22,12 +26,17 @@ import torch
 import patchkv
 from patchkv.budgets import Budget, sixteen_bit_bytes
 from patchkv.configs import Config, budget, peer, quantized_cache, unpatched
+from patchkv.memory import cache_nbytes
+from patchkv.perplexity import token_nll
 from patchkv.provenance import provenance
 from patchkv.records import write_csv as write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
 BASES = ROOT / "artifacts" / "smollm2-bases"
+GEMMA3 = ROOT / ".models" / "gemma-3-270m"
+GEMMA3_BASES = ROOT / "artifacts" / "gemma3-bases"
+RESULTS = ROOT / "evals" / "results"
 
 
 def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa", rope_factor: float = 1.0):
@@ -100,10 +109,51 @@ def sixteen_bit_bytes_per_token() -> float:
     return sixteen_bit_bytes(patchkv.Artifact.load(BASES / "pre_rope.safetensors"))
 
 
-def write_csv(rows: list[dict], path: Path) -> Path:
-    """`rows` to the CSV `path` (columns from the first row), with its provenance sidecar."""
-    write_rows(path, list(rows[0]), [list(row.values()) for row in rows])
-    write_provenance(path)
+def load_gemma3(dtype: torch.dtype = torch.bfloat16):
+    """(model, tokenizer): Gemma 3 270M from the folder `scripts/setup.sh` writes, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(GEMMA3, dtype=dtype).eval(), AutoTokenizer.from_pretrained(GEMMA3))
+
+
+def text_ids(tokenizer, text: str, length: int) -> torch.Tensor:
+    """`[1, n]`: the first `length` tokens of `text`, after the tokenizer's BOS where it has one (as `patchkv report`
+    feeds a text)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return torch.tensor([(bos + tokenizer(text, add_special_tokens=False)["input_ids"])[:length]])
+
+
+def perplexity(model, ids: torch.Tensor, artifact: patchkv.Artifact | None = None, methods: Sequence | None = None,
+               chunk: int = 64):
+    """`ids` `[1, seq]` scored `chunk` tokens per forward (`patchkv.perplexity.token_nll`), through the cache
+    `methods` on `artifact` make, or unpatched where `methods` is None."""
+    with nullcontext() if methods is None else patchkv.patched(model, artifact, list(methods)):
+        return token_nll(model, ids, chunk)
+
+
+def perplexity_fields(scored, base: float, context: int, extra_bytes: float = 0.0) -> dict:
+    """A research row's measured columns: the KV bytes per token the scored cache held over `context` tokens (+
+    `extra_bytes`), the perplexity and its change in percent against `base`."""
+    return {"kv_bytes_per_token": round(cache_nbytes(scored.cache) / context + extra_bytes, 1),
+            "perplexity": round(scored.perplexity, 4), "change_pct": round(100 * (scored.perplexity / base - 1), 2)}
+
+
+def read_csv(path: Path) -> list[dict]:
+    """The rows of the CSV `path`, as dicts of strings."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_csv(rows: Sequence[dict], path: Path, fields: Sequence[str] | None = None, extra: dict | None = None) -> Path:
+    """`rows` to the CSV `path` (its folder made where missing), columns `fields` (default: the first row's keys; a
+    row without one writes it empty), with its provenance sidecar (`extra` added to it)."""
+    fields = list(fields or rows[0])
+    unknown = {key for row in rows for key in row} - set(fields)
+    if unknown:
+        raise ValueError(f"{path.name}: columns {sorted(unknown)} are not among {fields}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_rows(path, fields, [[row.get(f, "") for f in fields] for row in rows])
+    write_provenance(path, extra)
     print(f"wrote {path}")
     return path
 

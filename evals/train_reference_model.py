@@ -1,7 +1,7 @@
 """Train a shipped reference model: a small Llama (or Mistral/Qwen3) on Shakespeare, byte-level BPE, on CPU.
 
-    python evals/train_reference_model.py --out artifacts/reference-llama --minutes 20
-    python evals/train_reference_model.py --arch qwen3 --out artifacts/reference-qwen3 --minutes 6
+    python -m evals train-reference --out artifacts/reference-llama --minutes 20
+    python -m evals train-reference --arch qwen3 --out artifacts/reference-qwen3 --minutes 6
 
 Writes an HF-format folder (config.json, model.safetensors, tokenizer files) that
 `AutoModelForCausalLM.from_pretrained` loads offline, plus training.json with the held-out perplexity.
@@ -9,7 +9,6 @@ Writes an HF-format folder (config.json, model.safetensors, tokenizer files) tha
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -20,6 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, PreTrainedModel
 
 from patchkv.corpus import HELD_OUT, shakespeare_held_out, shakespeare_train
+
+from .suite import ROOT
+from .verbs import parse, parser
 
 SPECIAL = ["<|pad|>", "<|bos|>", "<|eos|>"]
 
@@ -52,10 +54,9 @@ def perplexity(model: PreTrainedModel, ids: torch.Tensor, seq_len: int, max_wind
     return math.exp(nll / (n * (seq_len - 1)))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = parser("train-reference", __doc__, out=ROOT / "artifacts" / "reference-llama", threads=None)
     p.add_argument("--arch", choices=["llama", "mistral", "qwen3"], default="llama")
-    p.add_argument("--out", default="artifacts/reference-llama")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=256)
@@ -66,7 +67,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = parse(p, argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 

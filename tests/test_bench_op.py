@@ -33,8 +33,9 @@ def rows(path: Path) -> list[dict]:
 def test_gpu_check_smoke_ran_every_step(smoke):
     log = (smoke / "log.txt").read_text()
     assert "kernels ok" in log and log.count("== ") == 4
-    assert sorted(p.name for p in smoke.iterdir()) == ["env.txt", "gemm.csv", "gemm.png", "log.txt", "scaling.csv",
-                                                       "scaling.csv.provenance.json", "scaling.png"]
+    assert sorted(p.name for p in smoke.iterdir()) == ["env.txt", "gemm.csv", "gemm.csv.provenance.json", "gemm.png",
+                                                       "log.txt", "scaling.csv", "scaling.csv.provenance.json",
+                                                       "scaling.png"]
 
 
 def test_gemm_csv(smoke):
