@@ -44,14 +44,14 @@ from patchkv.records import plot as records_plot
 
 from .suite import CONFIGS, RESULTS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
 from .suite import config as suite_config
-from .tasks import TASKS, Ruler, wilson_half_width
+from .tasks import REGISTRY, TASKS, Ruler, wilson_half_width
 from .verbs import VERBS
 from .verbs import run as run_verb
 
 FIELDS = ["method", "family", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "samples", "score",
           "ci95", "unpatched_score", "protocol", "commit", "command"]
-PROTOCOL = {"ruler": "context compressed after its prefill; question and answer read the cache",
-            "perplexity": "64 tokens per forward through the cache"}
+RULER_PROTOCOL = "context compressed after its prefill; question and answer read the cache"
+PROTOCOL = {"ruler": RULER_PROTOCOL, "needle": RULER_PROTOCOL, "perplexity": "64 tokens per forward through the cache"}
 
 
 def command() -> str:
@@ -74,6 +74,10 @@ def append_record(path: Path, record: dict) -> None:
 
 def run(args: argparse.Namespace) -> None:
     configs = [CONFIGS[c] for c in args.configs.split(",")]
+    unknown = [t for t in args.tasks.split(",") if t not in TASKS]
+    if unknown:
+        raise SystemExit(f"--tasks: {unknown} are not tasks of the suite (python -m evals list names them; lm-eval "
+                         "tasks run with patchkv eval)")
     tasks = [TASKS[t] for t in args.tasks.split(",")]
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model, tokenizer = load_smollm2(getattr(torch, args.dtype))
@@ -159,11 +163,11 @@ def summarise(records: list[dict], task: str) -> list[dict]:
 
 
 def aggregate(kind: str, records: list[dict]) -> tuple[float, float]:
-    """(score, ci95 half-width): RULER mean x 100 with a Wilson interval; perplexity over all tokens with a
-    bootstrap interval over documents (1000 resamples, seeded; nan for one document)."""
+    """(score, ci95 half-width): RULER (and the needle) mean x 100 with a Wilson interval; perplexity over all tokens
+    with a bootstrap interval over documents (1000 resamples, seeded; nan for one document)."""
     if not records:
         return math.nan, math.nan
-    if kind == "ruler":
+    if kind != "perplexity":
         mean = sum(r["score"] for r in records) / len(records)
         return 100 * mean, 100 * wilson_half_width(mean, len(records))
 
@@ -259,8 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "list":
         for c in CONFIGS.values():
             print(f"config {c.name:14s} {c.kind:16s} {c.note}")
-        for name, task in TASKS.items():
-            print(f"task   {name:24s} {task.kind}")
+        for name, task in REGISTRY.items():  # lm-eval's are patchkv eval's
+            print(f"task   {name:26s} {task.kind:10s} {task.metric}{'' if name in TASKS else ' (patchkv eval)'}")
     elif args.command == "run":
         run(args)
     elif args.command == "peers":

@@ -1,14 +1,17 @@
-"""The suite's tasks (registry `TASKS`): what a configuration is scored on, one sample at a time.
+"""How the suite runs its tasks, one sample at a time: `TASKS` holds a runner for every task of the one registry
+(`patchkv.tasks.TASKS`) that is not an lm-eval one (those are `patchkv eval`'s), built from its record.
 
-A task turns a sample index into an `Outcome` record through the configuration's cache:
-- `Perplexity` (`ppl_prose`, `ppl_shakespeare`, `ppl_milton`): token perplexity of one held-out document, fed 64
-  tokens per forward through the cache (`patchkv.perplexity.token_nll`, the function `patchkv report` uses).
-- `Ruler` (`ruler_niah_single_1`, ...): lm-eval's own RULER task. Its prompt is split where the question starts;
+A runner turns a sample index into an `Outcome` record through the configuration's cache:
+- `Perplexity` (kind `perplexity`: `ppl_prose`, `ppl_shakespeare`, `ppl_milton`): token perplexity of one held-out
+  document, fed 64 tokens per forward through the cache (`patchkv.perplexity.token_nll`, the function `patchkv report`
+  uses).
+- `Ruler` (kind `ruler`: `ruler_niah_single_1`, ...): lm-eval's own RULER task. Its prompt is split where the question starts;
   the context goes through the model in one forward and is stored as the cache stores it (compressed by a
   patchkv config, quantized by QuantizedCache, evicted by a kvpress press in evals/peers), then the question is
   fed and the answer decoded greedily, every token reading the cache. The answer is scored by the task's own
   `process_results`. Decoding stops at EOS, at the task's `max_gen_toks`, or once every reference answer is in the
   text: RULER's metrics (`string_match_all` / `_part`) only look for the references, so that stop is exact.
+- `NeedleText` (kind `needle`: `needle_text`): a number hidden in held-out prose, run as `Ruler` runs RULER.
 
 RULER's prompts are built once per (task, context) by lm-eval (seeded: some haystacks draw from the global
 generators) and kept in `.cache/ruler/<task>@<context>.jsonl` as token ids: the same ids every runner reads,
@@ -21,7 +24,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +33,10 @@ from torch import nn
 
 from patchkv.memory import cache_nbytes
 from patchkv.perplexity import token_nll
+from patchkv.tasks import TASKS as REGISTRY
+from patchkv.tasks import Task, documents
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "patchkv" / "tasks" / "data"
 RULER_CACHE = ROOT / ".cache" / "ruler"
 
 
@@ -50,17 +54,14 @@ class Outcome:
 
 
 @dataclass(frozen=True)
-class Perplexity:
-    """Token perplexity of the held-out `<domain>_4k.jsonl` documents (never in any calibration mix)."""
+class Perplexity(Task):
+    """Token perplexity of the held-out documents of the data file `source` (never in any calibration mix), `chunk`
+    tokens per forward."""
 
-    name: str
-    domain: str
     chunk: int = 64
-    kind: str = "perplexity"
 
     def documents(self) -> list[str]:
-        lines = (DATA / f"{self.domain}_4k.jsonl").read_text(encoding="utf-8").splitlines()
-        return [json.loads(line)["text"] for line in lines]
+        return documents(self.source)
 
     def available(self, context: int) -> int:
         return len(self.documents())
@@ -76,15 +77,11 @@ class Perplexity:
 
 
 @dataclass(frozen=True)
-class Ruler:
-    """lm-eval's RULER `subtask` (offline ones only: the essay haystacks and QA sets need the Hub)."""
-
-    name: str
-    subtask: str
-    kind: str = "ruler"
+class Ruler(Task):
+    """lm-eval's RULER subtask `source` (offline ones only: the essay haystacks and QA sets need the Hub)."""
 
     def samples_path(self, context: int) -> Path:
-        return RULER_CACHE / f"{self.subtask}@{context}.jsonl"
+        return RULER_CACHE / f"{self.source}@{context}.jsonl"
 
     def samples(self, context: int, count: int, tokenizer_path: Path) -> list[dict]:
         """The first `count` prompts at `context` tokens: built by lm-eval once, then read from the cache file."""
@@ -97,7 +94,7 @@ class Ruler:
         return have[:count]
 
     def build(self, context: int, count: int, tokenizer_path: Path) -> list[dict]:
-        return build_ruler_samples(self.subtask, context, count, tokenizer_path)
+        return build_ruler_samples(self.source, context, count, tokenizer_path)
 
     def available(self, context: int) -> int:
         path = self.samples_path(context)
@@ -193,15 +190,14 @@ NEEDLES = (
 )
 NEEDLE_INTRO = ("Some important information is hidden inside the following text. Make sure to memorize it. I will quiz "
                 "you about it afterwards.\n\n")
-#: the held-out domains a haystack comes from (Milton and Shakespeare: SmolLM2-135M unpatched finds few needles there)
-NEEDLE_DOMAINS = ("prose",)
 
 
 @dataclass(frozen=True)
 class NeedleText(Ruler):
     """A needle in real held-out text (`needle_text`): a 7-digit number in one of four wordings (`NEEDLES`), at a
-    depth drawn in [10%, 90%] and moved to the next line break, inside a held-out 4k document (the Python
-    documentation prose of `ppl_prose`, never in any calibration mix, each used again with other needles and depths),
+    depth drawn in [10%, 90%] and moved to the next line break, inside a held-out 4k document of the data file
+    `source` (`needle_text`'s: the Python documentation prose of `ppl_prose`, never in any calibration mix, each used
+    again with other needles and depths),
     asked for after the text; scored 1 if the answer holds the number. Seeded by the sample index; run by RULER's protocol (`Ruler.run`), so a method cannot pass by coding a
     repetitive haystack well."""
 
@@ -212,12 +208,11 @@ class NeedleText(Ruler):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        documents = {d: Perplexity(d, d).documents() for d in NEEDLE_DOMAINS}
+        haystacks = documents(self.source)
         out = []
         for index in range(count):
             rng = random.Random(index)
-            domain = NEEDLE_DOMAINS[index % len(NEEDLE_DOMAINS)]
-            text = documents[domain][(index // len(NEEDLE_DOMAINS)) % len(documents[domain])]
+            text = haystacks[index % len(haystacks)]
             number = str(rng.randrange(1_000_000, 10_000_000))
             needle, question = NEEDLES[rng.randrange(len(NEEDLES))]
             question_ids = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
@@ -244,11 +239,7 @@ def wilson_half_width(mean: float, n: int) -> float:
     return centre_spread / (1 + z * z / n)
 
 
-TASKS: dict[str, Perplexity | Ruler] = {t.name: t for t in (
-    Perplexity("ppl_prose", "prose"),
-    Perplexity("ppl_shakespeare", "shakespeare"),
-    Perplexity("ppl_milton", "milton"),
-    *(Ruler(f"ruler_{s.removeprefix('ruler_')}", s) for s in (
-        "niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_fwe", "ruler_vt", "ruler_cwe")),
-    NeedleText("needle_text", "needle_text"),
-)}
+#: the runner of each kind of task the suite runs
+RUNNERS: dict[str, type[Task]] = {"perplexity": Perplexity, "ruler": Ruler, "needle": NeedleText}
+TASKS: dict[str, Perplexity | Ruler] = {name: RUNNERS[task.kind](**asdict(task)) for name, task in REGISTRY.items()
+                                        if task.kind in RUNNERS}

@@ -261,9 +261,10 @@ def _check_out_file(out: str, force: bool) -> Path:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from .artifact import Artifact
-    from .evaluate import evaluate, format_table, plot, task_configs, write_csv
+    from .evaluate import evaluate, format_table, plot, write_csv
     from .methods import build_plan, from_options, parse_method
     from .patching import patched
+    from .tasks import lm_eval_configs
 
     # every check that needs no model first, then the model and compatibility, then the (slow) evaluation
     if args.sweep and not args.artifact:
@@ -276,7 +277,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if not tasks:
         raise UsageError("--tasks: expected comma-separated task names.")
     try:
-        task_configs(tasks)
+        lm_eval_configs(tasks)
     except ValueError as e:
         raise UsageError(f"--tasks: {e}") from e
     out = _check_out_dir(args.out, args.name) if args.out is not None else None
@@ -368,8 +369,8 @@ def cmd_push(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import DEFAULT_TASKS
     from .methods import METHODS
+    from .tasks import DEFAULT_TASKS
 
     p = _Parser(prog="patchkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)

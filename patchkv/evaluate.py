@@ -1,4 +1,6 @@
-"""Accuracy and perplexity of a patched model vs the unpatched one, through lm-eval, against KV bytes."""
+"""Accuracy and perplexity of a patched model vs the unpatched one, through lm-eval, against KV bytes: `patchkv eval`,
+a client of the task registry (`patchkv.tasks`: its `lm-eval` tasks, their headline metrics) and of `patchkv.records`
+(tables, CSV, plots)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import nn
 
 from . import records
@@ -17,32 +18,7 @@ from .artifact import Artifact
 from .methods import Method
 from .patching import patched
 from .records import change, difference, markdown
-
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-#: task -> (metric reported in tables, True if higher is better)
-HEADLINE = {
-    "patchkv_shakespeare_ppl": ("byte_perplexity", False),
-    "patchkv_milton_ppl": ("byte_perplexity", False),
-    "patchkv_shakespeare_cloze": ("acc", True),
-    "patchkv_prose_ppl": ("byte_perplexity", False),
-    **{f"patchkv_{domain}_ppl_4k": ("byte_perplexity", False) for domain in ("prose", "shakespeare", "milton")},
-}
-DEFAULT_TASKS = ("patchkv_shakespeare_ppl", "patchkv_milton_ppl", "patchkv_shakespeare_cloze")
-
-
-def task_configs(names: list[str] | tuple[str, ...], tasks_dir: Path = TASKS_DIR) -> list[dict[str, Any]]:
-    """The local YAML task definitions for `names`, with data file paths made absolute."""
-    by_name = {}
-    for path in sorted(Path(tasks_dir).glob("*.yaml")):
-        config = yaml.safe_load(path.read_text())
-        files = config.get("dataset_kwargs", {}).get("data_files", {})
-        for split, rel in files.items():
-            files[split] = str((path.parent / rel).resolve())
-        by_name[config["task"]] = config
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"Unknown task(s) {unknown}; the tasks in {tasks_dir} are {sorted(by_name)}.")
-    return [by_name[n] for n in names]
+from .tasks import DEFAULT_TASKS, TASKS, lm_eval_configs
 
 
 def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ...] = DEFAULT_TASKS,
@@ -56,7 +32,7 @@ def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ..
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     lm = lm or HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, log_samples=False, bootstrap_iters=0,
+    out = simple_evaluate(model=lm, tasks=lm_eval_configs(tasks), limit=limit, log_samples=False, bootstrap_iters=0,
                           task_manager=TaskManager(include_defaults=False))  # skip indexing lm-eval's own tasks
     return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for task, metrics in out["results"].items()}
@@ -125,8 +101,8 @@ def budget_label(art: Artifact) -> str:
 
 
 def _headline(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    return {task: metrics[HEADLINE[task][0]] if task in HEADLINE else next(iter(metrics.values()))
-            for task, metrics in results.items()}
+    """{task: its headline metric's value} from lm-eval's {task: {metric: value}}."""
+    return {task: metrics[TASKS[task].metric] for task, metrics in results.items()}
 
 
 def format_table(rows: list[EvalRow]) -> str:
@@ -134,16 +110,15 @@ def format_table(rows: list[EvalRow]) -> str:
     base = rows[0].scores
     tasks = list(base)
     head = ["config", "mode", "budget", "KV bytes/token", "compression"]
-    head += [f"{t.removeprefix('patchkv_')} ({HEADLINE.get(t, ('score',))[0]})" for t in tasks]
+    head += [f"{t.removeprefix('patchkv_')} ({TASKS[t].metric})" for t in tasks]
     lines = []
     for row in rows:
         cells = [row.label, row.mode, row.budget, str(row.kv_bytes_per_token), f"{row.compression:.2f}x"]
         for t in tasks:
             value = row.scores.get(t, float("nan"))
-            higher_is_better = HEADLINE.get(t, ("", True))[1]
             if row is rows[0]:
                 delta = ""
-            elif higher_is_better:  # accuracies: absolute difference
+            elif TASKS[t].higher_is_better:  # accuracies: absolute difference
                 delta = difference(value, base[t])
             else:  # perplexities: relative change
                 delta = change(value, base[t], 2)
@@ -169,7 +144,7 @@ def plot(rows: list[EvalRow], path: str | Path) -> None:
               for r in rows[1:] for t in tasks]
     titles = {}
     for t in tasks:
-        metric, higher = HEADLINE.get(t, ("score", True))
-        titles[t] = f"{t.removeprefix('patchkv_')}: {metric} ({'higher' if higher else 'lower'} is better)"
+        titles[t] = (f"{t.removeprefix('patchkv_')}: {TASKS[t].metric} "
+                     f"({'higher' if TASKS[t].higher_is_better else 'lower'} is better)")
     records.plot(points, Path(path), xlabel="KV compression (x)", ylabel="score", baselines=rows[0].scores,
                  titles=titles)

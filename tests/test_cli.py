@@ -463,7 +463,7 @@ runpy.run_module("patchkv", run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.parametrize("module", ["patchkv.cli", "patchkv.evaluate"])
+@pytest.mark.parametrize("module", ["patchkv.cli", "patchkv.tasks"])
 def test_ctrl_c_during_start_up_imports_is_one_line(tmp_path, module):
     """A real SIGINT while `python -m patchkv` imports the CLI's modules (once `import patchkv` is done: its own
     imports run before any patchkv code can catch it)."""

@@ -20,15 +20,16 @@ def test_wheel_contents_and_eval_from_the_installed_wheel(tmp_path, run_eval):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("patchkv/adapters/llama.py", "patchkv/kernels/ops.py", "patchkv/kernels/latent_cpu.cpp",
                      "patchkv/methods/topk.py", "patchkv/integrations/vllm.py",
-                     "patchkv/tasks/shakespeare_ppl.yaml", "patchkv/tasks/data/shakespeare_heldout.jsonl"):
+                     "patchkv/tasks/__init__.py", "patchkv/tasks/shakespeare_ppl.yaml",
+                     "patchkv/tasks/data/shakespeare_heldout.jsonl"):
         assert required in names
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
     # run outside the checkout, with the installed wheel ahead of the editable install on sys.path
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    where = subprocess.run([sys.executable, "-c", "import patchkv.evaluate as e, patchkv.kernels.ops as k; "
-                            "print(e.TASKS_DIR); print(k.__file__)"], cwd=tmp_path, env=env, capture_output=True,
+    where = subprocess.run([sys.executable, "-c", "import patchkv.evaluate, patchkv.tasks as t, patchkv.kernels.ops as k; "
+                            "print(t.DIR); print(k.__file__)"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, check=True).stdout.split()
     assert all(path.startswith(str(site)) for path in where)
     if not run_eval:  # short: the wheel's contents and where it imports from; full: `patchkv eval` from it
