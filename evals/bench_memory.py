@@ -12,7 +12,7 @@ token's logits (`all`). Columns, MiB:
 
 - `peak_mib`: VmHWM after the prefill - VmRSS before it: the worst the process reached, the cache included;
 - `held_mib`: VmRSS after the prefill - VmRSS before it: what stays (cache, logits, and memory the allocator kept);
-- `cache_mib`: the bytes the cache holds by its own count (`patchkv.memory.cache_nbytes`).
+- `cache_mib`: the bytes the cache holds by its own count (`patchkv.nbytes.cache_nbytes`).
 
 `allocator`: `glibc` as a user runs it; `mmap` with `MALLOC_MMAP_THRESHOLD_=131072`. glibc raises its mmap threshold
 to the size of each large block freed (up to 32 MiB), so after the first large frees every tensor of a 4k prefill
@@ -57,7 +57,7 @@ def status_mib(key: str) -> float:
 def measure(method: str, context: int, logits: str) -> dict:
     """One prefill in this process -> {peak_mib, held_mib, cache_mib, seconds} (module doc)."""
     import patchkv
-    from patchkv.memory import cache_nbytes
+    from patchkv.nbytes import cache_nbytes
     from transformers import DynamicCache
 
     from .profile_paths import prose_ids

@@ -39,7 +39,7 @@ Memory (at `--memory-contexts`, by default 8k and 128k): each method x context (
 fixed (`bench_memory`'s `mmap` allocator, so freed tensors leave RSS): the model loads, a cache is filled as above
 (tiled, from `--memory-source` tokens), then VmHWM is reset and one decode step runs. `process_peak_mib` is VmHWM
 of that step (model, cache and the step's transients: the process's peak while decoding), `step_extra_mib` the peak
-over VmRSS before the step (transient copies), `cache_bytes` the cache's own count (`patchkv.memory.cache_nbytes`) at `context` tokens, before any step.
+over VmRSS before the step (transient copies), `cache_bytes` the cache's own count (`patchkv.nbytes.cache_nbytes`) at `context` tokens, before any step.
 On CUDA the memory columns are `torch.cuda.max_memory_allocated` of the same step in the timing process instead.
 
 Ratios are comparable only within one run (one context's rows of one command); never assert on them. `--keep` runs
@@ -65,7 +65,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import patchkv
-from patchkv.memory import cache_nbytes
+from patchkv.nbytes import cache_nbytes
 from patchkv.provenance import commit
 
 from .bench_memory import ALLOCATORS, status_mib

@@ -11,7 +11,7 @@ are outliers that would skew the bases; `SinksWindow` keeps them exact at infere
 4 sinks and a 32-token window exact, as `SinksWindow(4, 32)` serves them. The model runs in bfloat16, as it is
 evaluated; moments and Fisher matrices are accumulated in float64.
 
-Step scales (`patchkv.steps`, artifact format version 4) are then fitted, for the `--step-modes` artifacts
+Step scales (`patchkv.step_scales`, artifact format version 4) are then fitted, for the `--step-modes` artifacts
 (pre-RoPE by default), one set per budget in `--step-budgets` (each ratio resolved to `Quantized(bits,
 pool="global")` at `--step-context` tokens, as `evals/suite.py` runs it) over `--step-grid`, with the same sinks
 and window, on `--step-rows` sequences of `--step-seq` tokens from the ends of the two calibration sources.
@@ -43,7 +43,7 @@ import patchkv
 from patchkv.budgets import Budget
 from patchkv.cli import budget_list
 from patchkv.corpus import shakespeare_train
-from patchkv.steps import fit_step_scales
+from patchkv.step_scales import fit_step_scales
 
 from .suite import BASES, ROOT, SMOLLM2
 from .verbs import parse, parser

@@ -24,7 +24,7 @@ from patchkv import Artifact
 from patchkv.artifact import KINDS
 from patchkv.budgets import bits_for_ratio, parse_budget
 from patchkv.cli import _load_model
-from patchkv.memory import cache_nbytes
+from patchkv.nbytes import cache_nbytes
 from patchkv.methods import Quantized
 from patchkv.report import default_text
 from patchkv.texts import read_texts

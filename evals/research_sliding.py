@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from patchkv.artifact import Artifact
 from patchkv.budgets import EXACT, bits_for_ratio, parse_budget, sixteen_bit_bytes
-from patchkv.memory import cache_nbytes
+from patchkv.nbytes import cache_nbytes
 from patchkv.methods import Quantized, SinksWindow
 from patchkv.report import default_text
 

@@ -6,7 +6,7 @@
         --artifact artifacts/gemma3-bases/pre_rope.safetensors --budget 8x --points path --out evals/results
 
 `fit_step_scales` reads its loss over the text's tokens and each position's `top` likeliest tokens under the
-unpatched model (`patchkv.steps.loss_vocabulary`), not the whole vocabulary, whose head is most of each trial's
+unpatched model (`patchkv.step_scales.loss_vocabulary`), not the whole vocabulary, whose head is most of each trial's
 time on a 262k-token model. This scores every candidate of the step-scale grid (`--points grid`: all 16 pairs;
 `path`: the 7 a two-pass coordinate search tries from (1, 1) when keys 1.25 win) once through the cache, as the fit
 does (`patchkv calibrate`'s held-out rows, 64 tokens per forward, the budget at 2,048 tokens), and reads from the same
@@ -26,7 +26,7 @@ import patchkv
 from patchkv.artifact import Artifact
 from patchkv.budgets import parse_budget
 from patchkv.cli import _held_out_rows, _load_model
-from patchkv.steps import GRID, loss_vocabulary, with_step_scales
+from patchkv.step_scales import GRID, loss_vocabulary, with_step_scales
 from patchkv.texts import read_texts
 
 from .suite import write_csv, write_provenance

@@ -26,7 +26,7 @@ import torch
 import patchkv
 from patchkv.budgets import Budget, sixteen_bit_bytes
 from patchkv.configs import Config, budget, peer, quantized_cache, unpatched
-from patchkv.memory import cache_nbytes
+from patchkv.nbytes import cache_nbytes
 from patchkv.perplexity import token_nll
 from patchkv.provenance import provenance
 from patchkv.records import write_csv as write_rows

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchkv.memory import cache_nbytes
+from patchkv.nbytes import cache_nbytes
 from patchkv.perplexity import token_nll
 from patchkv.tasks import TASKS as REGISTRY
 from patchkv.tasks import Task, documents

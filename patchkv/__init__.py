@@ -17,7 +17,7 @@ from .errors import (AlreadyPatchedError, ArtifactError, IncompatibleArtifactErr
 from .methods import (METHODS, AttentionMass, CodeError, KeyNorm, LowRank, NearCodes, Novelty, Quantized, SinksWindow,
                       TopK, parse_method)
 from .patching import apply, is_patched, patched, remove
-from .steps import fit_step_scales
+from .step_scales import fit_step_scales
 
 __version__ = "0.1.0"
 

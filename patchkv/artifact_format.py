@@ -29,7 +29,7 @@ budgets listed in the metadata field `step_budgets`:
 
     {kind}.step_scales   float32 [B, L, H]     > 0: for budget b, the quantizer steps of head [l, h] (and so its
                                                clipping range) are this multiple of the Gaussian-matched ones
-                                               (`patchkv.steps.fit_step_scales`; only `Quantized` reads them)
+                                               (`patchkv.step_scales.fit_step_scales`; only `Quantized` reads them)
 
 (Version 3, read but no longer written, held one budget, `{kind}.step_scales [L, H]`, whose bits and pool were
 recorded in `calibration["step_scales"]`; it loads as a one-budget version 4 artifact when that record names

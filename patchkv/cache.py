@@ -57,7 +57,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .compat import init_cache_layer
 from .context import LayerPatch
 from .errors import PatchKVError
-from .memory import storage_nbytes
+from .nbytes import storage_nbytes
 from .methods import Observation, Salience
 from .operands import dense, unpatched
 from .visible import Visible
@@ -542,7 +542,7 @@ class LatentCache(Cache):
     def allocated_nbytes(self) -> int:
         """Bytes of storage kept: every buffer of every layer, whole (`nbytes` plus what the middles' buffers hold
         beyond their tokens), plus the position track's. The patch's RoPE tables are not the cache's (one for all
-        caches of the model): `patchkv.memory.rope_nbytes(model)`."""
+        caches of the model): `patchkv.nbytes.rope_nbytes(model)`."""
         positions = self.track.positions.untyped_storage().nbytes() if self.track.positions is not None else 0
         return sum(layer.allocated_nbytes() for layer in self.layers) + positions
 

@@ -6,7 +6,7 @@
 
 The cache in memory is fixed-rate: every token's codes take the same bytes, so attention reads the middle in place.
 A cache that leaves the device can afford variable-length coding. The quantizer's levels are not equally likely
-(a Gaussian-matched 2-bit code carries about 1.9 bits of information; a widened step, `patchkv.steps`, makes the
+(a Gaussian-matched 2-bit code carries about 1.9 bits of information; a widened step, `patchkv.step_scales`, makes the
 inner levels likelier still), and a dropped-to-zero-bits component costs nothing either way, so DEFLATE (zlib)
 over the codes, laid out byte column by byte column (each column holds the same components for every token),
 takes back what the fixed rate spends on unlikely levels. Only packed codes (uint8 middles) are compressed; the

@@ -147,7 +147,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
     from . import calibrate
     from .distributed import destroy, init_from_env, is_main_process
-    from .steps import fit_step_scales
+    from .step_scales import fit_step_scales
     from .texts import read_texts
 
     target = _check_out_file(args.out, args.force)  # before the (slow) calibration: a bad --out would lose it
@@ -191,10 +191,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def _step_top(flag: int | None, model) -> int | None:
-    """`--step-top`: the `top` of `fit_step_scales` (None: the whole vocabulary). Unset: `patchkv.steps.TOP` where the
+    """`--step-top`: the `top` of `fit_step_scales` (None: the whole vocabulary). Unset: `patchkv.step_scales.TOP` where the
     vocabulary has more than `LARGE_VOCABULARY` tokens, the whole vocabulary otherwise (a small head is cheap, and the
     fits then match those made before the restricted loss existed)."""
-    from .steps import TOP
+    from .step_scales import TOP
 
     if flag is None:
         return TOP if model.config.vocab_size > LARGE_VOCABULARY else None

@@ -82,7 +82,7 @@ def measured_kv_bytes_per_token(model: nn.Module, context: int = 1024) -> float:
     """Bytes per token the model's cache really holds after a `context`-token prefill (patched or not)."""
     import torch
 
-    from .memory import cache_nbytes
+    from .nbytes import cache_nbytes
 
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))

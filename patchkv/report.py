@@ -32,7 +32,7 @@ from torch import nn
 from .artifact import Artifact
 from .budgets import Budget, sixteen_bit_bytes
 from .configs import Config, budget, quantized_cache, unpatched
-from .memory import cache_nbytes
+from .nbytes import cache_nbytes
 from .patching import patched
 from .perplexity import token_nll
 from .records import Point, change, markdown, plot, write_csv

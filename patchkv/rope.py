@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .adapters import AttentionAdapter
-from .memory import storage_nbytes
+from .nbytes import storage_nbytes
 
 
 def length_dependent(rotary: nn.Module) -> str | None:

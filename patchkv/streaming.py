@@ -18,7 +18,7 @@ from lm_eval.api.model import LM
 from torch import nn
 from tqdm.auto import tqdm
 
-from .memory import cache_nbytes
+from .nbytes import cache_nbytes
 from .perplexity import token_nll
 
 #: tokens per forward for an unpatched model (its own DynamicCache is exact at any chunk)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import patchkv
 from patchkv.cache_file import FORMAT, load_cache, save_cache
-from patchkv.steps import with_step_scales
+from patchkv.step_scales import with_step_scales
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 import patchkv
 import patchkv.evaluate
 import patchkv.report
-import patchkv.steps
+import patchkv.step_scales
 from patchkv import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def fake_calibration(monkeypatch, tiny_artifact):
 
     monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (make_model("llama"), bytes_tokenizer))
     monkeypatch.setattr(patchkv, "calibrate", calibrate)
-    monkeypatch.setattr(patchkv.steps, "fit_step_scales", lambda model, artifact, *a, **k: artifact)
+    monkeypatch.setattr(patchkv.step_scales, "fit_step_scales", lambda model, artifact, *a, **k: artifact)
     return calls
 
 
@@ -477,7 +477,7 @@ def test_step_top_restricts_the_loss_only_for_a_large_vocabulary():
     from types import SimpleNamespace
 
     from patchkv.cli import LARGE_VOCABULARY, _step_top
-    from patchkv.steps import TOP
+    from patchkv.step_scales import TOP
 
     small, large = (SimpleNamespace(config=SimpleNamespace(vocab_size=n)) for n in (49_152, 262_144))
     assert _step_top(None, small) is None and _step_top(None, large) == TOP and LARGE_VOCABULARY < 262_144

@@ -49,7 +49,7 @@ def test_version_5_round_trips_with_and_without_step_scales(tmp_path, layered):
     assert meta["format_version"] == 5 and "step_budgets" not in meta and len(tensors) == 18
     back = Artifact.load(tmp_path / "v5.safetensors")
     assert torch.equal(back.keys.layer_eigenvectors, layered.keys.layer_eigenvectors.float())
-    scaled = patchkv.steps.with_step_scales(layered, 1.5, 2.0, bits=24,
+    scaled = patchkv.step_scales.with_step_scales(layered, 1.5, 2.0, bits=24,
                                             pool="global")
     tensors, meta = read(scaled.save(tmp_path / "v5s.safetensors"))
     assert meta["format_version"] == 5 and meta["step_budgets"] == [{"bits": 24, "pool": "global"}]

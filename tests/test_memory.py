@@ -10,7 +10,7 @@ from transformers import DynamicCache, QuantizedCache
 import patchkv
 from patchkv.cache import PAGE
 from patchkv.context import LayerPatch
-from patchkv.memory import cache_nbytes, rope_nbytes
+from patchkv.nbytes import cache_nbytes, rope_nbytes
 
 
 @pytest.fixture(scope="module")

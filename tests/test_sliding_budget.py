@@ -16,7 +16,7 @@ from patchkv.adapters import adapter_for, attention_modules
 from patchkv.artifact import Artifact
 from patchkv.budgets import EXACT, exact_tokens, parse_budget, sixteen_bit_bytes
 from patchkv.errors import ArtifactError, IncompatibleArtifactError
-from patchkv.memory import cache_nbytes
+from patchkv.nbytes import cache_nbytes
 
 WINDOWS = {"gemma3": 10, "mistral": 12}
 

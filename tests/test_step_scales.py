@@ -1,4 +1,4 @@
-"""Step scales (artifact format version 4, `patchkv.steps`): one set per budget, stored with typed budgets,
+"""Step scales (artifact format version 4, `patchkv.step_scales`): one set per budget, stored with typed budgets,
 validated, read by `Quantized` for its own budget, fitted on the model's own loss through the cache; version 3
 files (one set, its budget in the free-form summary) load as one budget or are refused."""
 
@@ -16,7 +16,7 @@ from patchkv.allocation import bit_allocation, step_scales_for
 from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError, InvalidArtifactError, PatchKVError
 from patchkv.quantize import GAUSSIAN_STEP
-from patchkv.steps import loss_vocabulary, restricted_head, token_loss, with_step_scales
+from patchkv.step_scales import loss_vocabulary, restricted_head, token_loss, with_step_scales
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """`Quantized`: transform coding. Bits are allocated over the PCA components, each component is quantized by
 a uniform quantizer matched to a Gaussian of its variance, and codes are packed at a fixed rate (no per-token
 scales), so the cache holds a fixed number of bytes per token. An artifact with step scales
-(`patchkv.steps.fit_step_scales`) widens or narrows each head's quantizer range by the factor fitted for this
+(`patchkv.step_scales.fit_step_scales`) widens or narrows each head's quantizer range by the factor fitted for this
 budget, or the nearest of the same pool (`patchkv.allocation.step_scales_for`: typed fields of the artifact
 only).
 
@@ -45,7 +45,7 @@ class QuantizedCodec(Codec):
     def __init__(self, basis: LatentBasis, bits: torch.Tensor, eigenvalues: torch.Tensor,
                  step_scales: torch.Tensor | None = None):
         """bits `[kv_heads, head_dim]` per component; eigenvalues `[kv_heads, head_dim]` set the step sizes, each
-        head's multiplied by `step_scales` `[kv_heads]` where given (the artifact's, `patchkv.steps`)."""
+        head's multiplied by `step_scales` `[kv_heads]` where given (the artifact's, `patchkv.step_scales`)."""
         self.basis = basis
         std = eigenvalues[:, : basis.max_rank].double().clamp_min(0).sqrt()
         if step_scales is not None:
