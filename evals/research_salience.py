@@ -1,6 +1,8 @@
-"""Research: which tokens to keep exact beside the codes, and how many, on RULER niah_single_1 at 4k.
+"""Research: which tokens to keep exact beside the codes, and how many, on RULER niah_single_1 at 4k (and whether
+the needle's precision is what real text loses).
 
     .venv/bin/python -m evals salience-variants --out evals/results   # about 25 minutes on one core
+    .venv/bin/python -m evals salience-variants --task needle_text --ratios 16 --out evals/results
 
 SmolLM2-135M-Instruct in bfloat16, the shipped pre-RoPE artifact, global pool, the suite's RULER protocol
 (`evals.tasks.Ruler.run`), on the samples the design was read from (`SAMPLES`: at 16x the five the suite's 16x
@@ -19,6 +21,9 @@ the exact tokens leave, `bits_for_ratio(..., salience=...)`):
 Tuned on test samples by design: these are the samples the defaults (layer scope, 8 neighbours, 1/128) were
 chosen on, so the suite's 16x-novelty score says more on the samples outside this set. `salience_variants.csv`
 (+ provenance): one row per variant and sample: score, answer, bits per head, KV bytes per token.
+
+`--task needle_text`: the needle in held-out prose, on the first six samples the suite's 16x misses, with the
+oracle alone and with near codes beside it (`NearCodes`, from the same bytes): `salience_variants_needle_text.csv`.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from .suite import SMOLLM2, load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS
 from .verbs import parse, parser
 
-#: ratio -> the samples tried there: at 16x the suite's 16x misses (and 5, a miss of the head scope), at 32x the
-#: first ones that 32x-novelty misses or keeps
-SAMPLES = {16: (2, 5, 71, 83, 90, 95), 32: (0, 1, 2, 4, 5)}
+#: task -> ratio -> the samples tried there. RULER: at 16x the suite's 16x misses (and 5, a miss of the head scope), at
+#: 32x the first ones that 32x-novelty misses or keeps; needle_text: the first six the suite's 16x misses
+SAMPLES = {"ruler_niah_single_1": {16: (2, 5, 71, 83, 90, 95), 32: (0, 1, 2, 4, 5)},
+           "needle_text": {16: (0, 1, 2, 3, 4, 7)}}
 #: the needle kept by the oracle: tokens from this many before its first digit to this many after
 BEFORE, AFTER = 16, 12
 
@@ -75,8 +81,11 @@ def needle_span(tokenizer, sample: dict, sinks: int = 4) -> tuple[int, int]:
     return at - BEFORE - sinks, at + AFTER - sinks
 
 
-def variants(ratio: int) -> dict[str, dict]:
-    """name -> how to build the methods: a salience method (or "oracle"), the exact window, Novelty's neighbours."""
+def variants(ratio: int, task: str = "ruler_niah_single_1") -> dict[str, dict]:
+    """name -> how to build the methods: a salience method (or "oracle"), the exact window, Novelty's neighbours,
+    near codes."""
+    if task == "needle_text":
+        return {"oracle": dict(salience="oracle"), "oracle + near": dict(salience="oracle", near=patchkv.NearCodes())}
     out = {"oracle": dict(salience="oracle"),
            "novelty, layer": dict(salience=patchkv.Novelty()),
            "novelty, head": dict(salience=patchkv.Novelty(scope="head"))}
@@ -92,21 +101,25 @@ def variants(ratio: int) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> None:
     p = parser("salience-variants", __doc__)
     p.add_argument("--ratios", default="16,32")
+    p.add_argument("--task", default="ruler_niah_single_1", choices=sorted(SAMPLES))
     args = parse(p, argv)
     model, tokenizer = load_smollm2()
     artifact = load_artifacts()["pre_rope"]
-    task = TASKS["ruler_niah_single_1"]
-    samples = task.samples(4096, 100, SMOLLM2)
+    task = TASKS[args.task]
+    samples = task.samples(4096, 100 if args.task.startswith("ruler") else 30, SMOLLM2)
+    name_csv = "salience_variants.csv" if args.task.startswith("ruler") else f"salience_variants_{args.task}.csv"
     rows = []
     for ratio in (int(r) for r in args.ratios.split(",")):
-        for name, v in variants(ratio).items():
-            for index in SAMPLES[ratio]:
+        for name, v in variants(ratio, args.task).items():
+            for index in SAMPLES[args.task][ratio]:
                 sample = samples[index]
                 salience = NeedleOracle(span=needle_span(tokenizer, sample)) if v["salience"] == "oracle" \
                     else v["salience"]
-                window = v.get("window", 32)
-                bits = bits_for_ratio(artifact, ratio, pool="global", context=4096, window=window, salience=salience)
-                methods = [patchkv.SinksWindow(4, window), patchkv.Quantized(bits, pool="global"), salience]
+                window, near = v.get("window", 32), v.get("near")
+                bits = bits_for_ratio(artifact, ratio, pool="global", context=4096, window=window, salience=salience,
+                                      near=near)
+                methods = [patchkv.SinksWindow(4, window), patchkv.Quantized(bits, pool="global"), salience,
+                           *([near] if near else [])]
                 with mock.patch.object(novelty_module, "NEIGHBOURS", v.get("neighbours", novelty_module.NEIGHBOURS)), \
                         patchkv.patched(model, artifact, methods):
                     scored = task.run(model, tokenizer, sample, None)
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                              "kv_bytes_per_token": round(scored.kv_bytes_per_token, 1),
                              "methods": " + ".join(m.spec() for m in methods)})
                 print(rows[-1], flush=True)
-            write_csv(rows, args.out / "salience_variants.csv")  # after each variant: a long run keeps its rows
+            write_csv(rows, args.out / name_csv)  # after each variant: a long run keeps its rows
 
 
 if __name__ == "__main__":
