@@ -27,7 +27,9 @@ Format of one block
                  tokens' key codes `[coded, width]`, then their value codes, as bytes
 
 The codes are fixed-rate, so a block of `n` tokens, `s` of them sinks, is exactly `HEADER_BYTES + s * sink_bytes +
-(n - s) * token_bytes` bytes (`block_bytes`). `decode`
+(n - s) * token_bytes` bytes (`block_bytes`). A ratio budget ("8x") counts all of it: its bits are the most
+whose stored prefixes, headers and sinks included, take at most the 16-bit cache's bytes / 8 per token
+(`block_bits`), for every prefix of at least `prefix_tokens` (2048) tokens in the engine's blocks. `decode`
 refuses (`BlockError`) a block written under another artifact or method, one decoded at other positions than it was
 written for, and any damaged byte.
 """
@@ -56,6 +58,10 @@ VERSION = 1
 _HEADER = struct.Struct("<4sB3x16sI16s")
 #: bytes of a block's header: magic, version, fingerprint, token count, digest
 HEADER_BYTES = _HEADER.size
+#: an engine's block size when none is given (vLLM's default)
+BLOCK_TOKENS = 16
+#: the shortest stored prefix a ratio budget holds for, everything counted (`block_bits`)
+PREFIX_TOKENS = 2048
 
 
 class BlockError(PatchKVError):
@@ -117,24 +123,48 @@ class Rotations:
         return self._turn(layer, keys, positions, -1.0)
 
 
-def block_bits(artifact: Artifact, ratio: float, pool: str, basis: str = "head") -> int:
-    """The most bits per KV head (average) whose codes take at most the 16-bit cache's bytes / `ratio` per token: a
-    stored block keeps no exact sinks or window and no positions (its place in the prefix gives them). Raises
-    ValueError when even 1 bit does not fit."""
-    allowed = full_kv_bytes_per_token(artifact, element_size=2) / ratio
-    if kv_bytes_per_token(artifact, 1, pool, basis) > allowed:
-        raise ValueError(f"a {ratio:g}x block budget allows {allowed:.0f} bytes per token, less than 1 bit per KV head "
-                         "takes; use a smaller ratio.")
+def prefix_bytes(tokens: int, token_bytes: int, sink_bytes: int, *, block_tokens: int, sink_tokens: int) -> int:
+    """Bytes a prefix of `tokens` tokens takes stored in blocks of `block_tokens` (the last may be partial): a
+    header per block, the first `sink_tokens` tokens exact at `sink_bytes` each, every other token's codes at
+    `token_bytes`."""
+    sinks = min(sink_tokens, tokens)
+    return -(-tokens // block_tokens) * HEADER_BYTES + sinks * sink_bytes + (tokens - sinks) * token_bytes
+
+
+def block_bits(artifact: Artifact, ratio: float, pool: str, basis: str = "head", *, block_tokens: int = BLOCK_TOKENS,
+               prefix_tokens: int = PREFIX_TOKENS, sink_tokens: int = EXACT[0], element_size: int = 2) -> int:
+    """The most bits per KV head (average) such that every stored prefix of whole `block_tokens`-token blocks, at
+    least `prefix_tokens` tokens long, takes at most the 16-bit cache's bytes / `ratio` per token with everything
+    counted: each block's header, the `sink_tokens` exact sinks (`element_size` bytes per element) and the codes
+    (`prefix_bytes`). The sinks are paid once per prefix, so a longer one takes fewer bytes per token: the shortest
+    such prefix is the one that must fit. Raises ValueError when even 1 bit does not fit."""
+    if block_tokens < 1 or prefix_tokens < 1:
+        raise ValueError(f"block_tokens and prefix_tokens must be >= 1, got {block_tokens} and {prefix_tokens}.")
+    tokens = -(-prefix_tokens // block_tokens) * block_tokens
+    allowed = full_kv_bytes_per_token(artifact, element_size=2) / ratio * tokens
+    sink_bytes = full_kv_bytes_per_token(artifact, element_size)
+
+    def fits(bits: int) -> bool:
+        token_bytes = kv_bytes_per_token(artifact, bits, pool, basis)
+        return prefix_bytes(tokens, token_bytes, sink_bytes, block_tokens=block_tokens,
+                            sink_tokens=sink_tokens) <= allowed
+
+    if not fits(1):
+        raise ValueError(f"a {ratio:g}x budget allows {allowed / tokens:.0f} bytes per token over a prefix of "
+                         f"{tokens} tokens, less than {sink_tokens} exact sinks, the blocks' headers and 1 bit per KV "
+                         "head take; use a smaller ratio, fewer sinks or a longer prefix_tokens.")
     low, high = 1, artifact.head_dim * 8
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if kv_bytes_per_token(artifact, mid, pool, basis) <= allowed else (low, mid - 1)
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low
 
 
-def block_method(artifact: Artifact, text: str) -> CodecMethod:
-    """A budget ("8x" against the 16-bit cache, or "119" bits per KV head and token) as the `Quantized` codes a block
-    stores, or a codec method's spec ("lowrank:rank=64", "quantized:bits=96")."""
+def block_method(artifact: Artifact, text: str, *, block_tokens: int = BLOCK_TOKENS, prefix_tokens: int = PREFIX_TOKENS,
+                 sink_tokens: int = EXACT[0], element_size: int = 2) -> CodecMethod:
+    """A budget ("8x" against the 16-bit cache, everything counted over prefixes of at least `prefix_tokens` in
+    `block_tokens`-token blocks with `sink_tokens` exact sinks (`block_bits`), or "119" bits per KV head and token)
+    as the `Quantized` codes a block stores, or a codec method's spec ("lowrank:rank=64", "quantized:bits=96")."""
     if ":" in text or text.strip().lower() in ("lowrank", "quantized"):
         method = parse_method(text.strip())
         if not isinstance(method, CodecMethod):
@@ -145,7 +175,10 @@ def block_method(artifact: Artifact, text: str) -> CodecMethod:
     if budget.salience is not None:
         raise ValueError(f"budget {text!r}: a stored block has no salient tokens; drop '+{budget.salience.spec()}'.")
     pool = budget.pool or default_pool(artifact)
-    bits = budget.bits if budget.bits is not None else block_bits(artifact, budget.ratio, pool, budget.basis)
+    bits = budget.bits
+    if bits is None:
+        bits = block_bits(artifact, budget.ratio, pool, budget.basis, block_tokens=block_tokens,
+                          prefix_tokens=prefix_tokens, sink_tokens=sink_tokens, element_size=element_size)
     return Quantized(bits, pool=pool, basis=budget.basis)
 
 
@@ -188,9 +221,14 @@ class BlockCodec:
 
     @classmethod
     def from_budget(cls, artifact: Artifact, budget: str, rotations: Rotations | None = None,
-                    dtype: torch.dtype = torch.bfloat16, sink_tokens: int = EXACT[0]) -> BlockCodec:
-        """The codec for a budget or codec spec (`block_method`)."""
-        return cls(artifact, block_method(artifact, budget), rotations, dtype, sink_tokens)
+                    dtype: torch.dtype = torch.bfloat16, sink_tokens: int = EXACT[0], *,
+                    block_tokens: int = BLOCK_TOKENS, prefix_tokens: int = PREFIX_TOKENS) -> BlockCodec:
+        """The codec for a budget or codec spec (`block_method`): a ratio holds, everything counted, for every prefix
+        of at least `prefix_tokens` tokens stored in `block_tokens`-token blocks."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        method = block_method(artifact, budget, block_tokens=block_tokens, prefix_tokens=prefix_tokens,
+                              sink_tokens=sink_tokens, element_size=size)
+        return cls(artifact, method, rotations, dtype, sink_tokens)
 
     def describe(self) -> str:
         return (f"{self.method.spec()} on {self.artifact.mode} bases, {self.token_bytes} bytes per token, "

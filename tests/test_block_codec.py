@@ -6,9 +6,8 @@ import torch
 from conftest import FAMILIES, calibration_ids, make_model
 
 import patchkv
-from patchkv.block_codec import HEADER_BYTES, BlockCodec, BlockError, Rotations, block_bits, block_method
+from patchkv.block_codec import HEADER_BYTES, BlockCodec, BlockError, Rotations, block_bits, block_method, prefix_bytes
 from patchkv.adapters import attention_modules
-from patchkv.allocation import kv_bytes_per_token
 from patchkv.budgets import sixteen_bit_bytes
 from patchkv.methods import LowRank, Quantized
 
@@ -107,13 +106,38 @@ def test_rotations_from_config_match_the_model(family):
                                    atol=1e-5, rtol=0)
 
 
+def stored_prefix(codec: BlockCodec, tokens: int, block_tokens: int) -> int:
+    """Bytes of a prefix of `tokens` stored from position 0, as `encode` writes its blocks (`block_bytes`)."""
+    return sum(codec.block_bytes(torch.arange(start, min(start + block_tokens, tokens)))
+               for start in range(0, tokens, block_tokens))
+
+
+@pytest.mark.parametrize("ratio", [4, 8, 16])
+def test_ratio_budget_counts_headers_and_sinks(ratio):
+    """A ratio budget holds with everything stored counted: every prefix of whole blocks from `prefix_tokens` on
+    takes at most the 16-bit cache's bytes / ratio per token (headers and exact sinks included), and one bit more
+    per head would not."""
+    model = engine_model("llama")
+    artifact = patchkv.calibrate(model, calibration_ids(), mode="post_rope", energy=1.0, progress=False)
+    block, shortest = 32, 500
+    codec = BlockCodec.from_budget(artifact, f"{ratio}x", block_tokens=block, prefix_tokens=shortest)
+    allowed = sixteen_bit_bytes(artifact) / ratio
+    for tokens in range(512, 1024, block):
+        assert stored_prefix(codec, tokens, block) <= tokens * allowed
+        assert stored_prefix(codec, tokens, block) == prefix_bytes(tokens, codec.token_bytes, codec.sink_bytes,
+                                                                    block_tokens=block, sink_tokens=4)
+    finer = BlockCodec(artifact, Quantized(codec.method.bits + 1))
+    assert stored_prefix(finer, 512, block) > 512 * allowed
+    longer = BlockCodec.from_budget(artifact, f"{ratio}x", block_tokens=block, prefix_tokens=4 * shortest)
+    assert longer.method.bits >= codec.method.bits
+    with pytest.raises(ValueError, match=f"less than {block} exact sinks"):  # a prefix of sinks alone is 16-bit
+        block_bits(artifact, ratio, "head", block_tokens=block, prefix_tokens=block, sink_tokens=block)
+
+
 def test_budgets_and_specs():
     model = engine_model("llama")
     artifact = patchkv.calibrate(model, calibration_ids(), mode="post_rope", energy=1.0, progress=False)
-    bits = block_bits(artifact, 8, "head")
-    assert block_method(artifact, "8x") == Quantized(bits)
-    assert kv_bytes_per_token(artifact, bits) <= sixteen_bit_bytes(artifact) / 8
-    assert kv_bytes_per_token(artifact, bits + 1) > sixteen_bit_bytes(artifact) / 8
+    assert block_method(artifact, "8x", block_tokens=32) == Quantized(block_bits(artifact, 8, "head", block_tokens=32))
     assert block_method(artifact, "96") == Quantized(96)
     assert block_method(artifact, "lowrank:rank=8") == LowRank(rank=8)
     with pytest.raises(ValueError, match="no salient tokens"):

@@ -61,7 +61,7 @@ except ImportError as e:  # patchkv itself never imports this module
                       "`bash scripts/setup_vllm.sh` and run from .venv-vllm.") from e
 
 from ..artifact import Artifact
-from ..block_codec import BlockCodec, BlockError, Rotations
+from ..block_codec import PREFIX_TOKENS, BlockCodec, BlockError, Rotations
 from ..budgets import EXACT
 from ..lossless import check_compress
 from ..prefix_store import PrefixStore, Spill, block_keys
@@ -83,13 +83,15 @@ DEFAULT_STORE_BYTES = 1 << 30
 
 def kv_transfer_config(artifact: str | Path, budget: str = "8x", store_bytes: int = DEFAULT_STORE_BYTES,
                        sink_tokens: int = EXACT[0], spill_dir: str | Path | None = None, spill_bytes: int = 0,
-                       spill_compress: str | None = None) -> KVTransferConfig:
+                       spill_compress: str | None = None, prefix_tokens: int = PREFIX_TOKENS) -> KVTransferConfig:
     """vLLM's `kv_transfer_config` for a patchkv prefix store: `artifact` (the model's bases, a path), `budget` ("8x",
     "16x" against bf16, bits per KV head such as "96", or a codec spec such as "lowrank:rank=64"), `store_bytes` held
-    at most in memory, the first `sink_tokens` positions stored exact; with `spill_dir`, blocks pushed out of memory
-    are spilled there, at most `spill_bytes` of files, DEFLATE-compressed with `spill_compress="deflate"`."""
+    at most in memory, the first `sink_tokens` positions stored exact; a ratio holds with everything counted (block
+    headers and sinks) for every stored prefix of at least `prefix_tokens` tokens; with `spill_dir`, blocks pushed
+    out of memory are spilled there, at most `spill_bytes` of files, DEFLATE-compressed with
+    `spill_compress="deflate"`."""
     extra: dict[str, Any] = {"artifact": str(artifact), "budget": budget, "store_bytes": int(store_bytes),
-                             "sink_tokens": int(sink_tokens)}
+                             "sink_tokens": int(sink_tokens), "prefix_tokens": int(prefix_tokens)}
     if spill_dir is not None:
         extra.update(spill_dir=str(spill_dir), spill_bytes=int(spill_bytes), spill_compress=spill_compress)
     return KVTransferConfig(kv_connector="PatchKVConnector", kv_connector_module_path=__name__, kv_role="kv_both",
@@ -104,19 +106,21 @@ class Settings:
     budget: str = "8x"
     store_bytes: int = DEFAULT_STORE_BYTES
     sink_tokens: int = EXACT[0]
+    prefix_tokens: int = PREFIX_TOKENS
     spill_dir: str | None = None
     spill_bytes: int = 0
     spill_compress: str | None = None
 
     @classmethod
     def read(cls, extra: dict[str, Any]) -> Settings:
-        known = {"artifact", "budget", "store_bytes", "sink_tokens", "spill_dir", "spill_bytes", "spill_compress"}
+        known = {"artifact", "budget", "store_bytes", "sink_tokens", "prefix_tokens", "spill_dir", "spill_bytes",
+                 "spill_compress"}
         unknown = sorted(set(extra) - known)
         if unknown or "artifact" not in extra:
             raise ValueError(f"PatchKVConnector's kv_connector_extra_config takes {sorted(known)} ('artifact', the "
                              f"path of the model's patchkv bases, required); got {sorted(extra)}.")
         settings = cls(**extra)
-        for name in ("store_bytes", "sink_tokens", "spill_bytes"):
+        for name in ("store_bytes", "sink_tokens", "prefix_tokens", "spill_bytes"):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PatchKVConnector: {name} must be an integer >= 0, got {value!r}.")
@@ -140,7 +144,7 @@ class Settings:
 
 def build_codec(vllm_config: VllmConfig, settings: Settings) -> BlockCodec:
     """The block codec for the served model: its artifact checked against the model's shape, its RoPE from the
-    config (pre-RoPE bases), its cache dtype."""
+    config (pre-RoPE bases), its cache dtype, a ratio budget counted over prefixes in the engine's blocks."""
     if vllm_config.cache_config.cache_dtype != "auto":
         raise ValueError(f"PatchKVConnector stores blocks of the model's dtype; kv_cache_dtype="
                          f"{vllm_config.cache_config.cache_dtype!r} is not supported (leave it 'auto').")
@@ -155,7 +159,8 @@ def build_codec(vllm_config: VllmConfig, settings: Settings) -> BlockCodec:
                          "(`patchkv calibrate`).")
     rotations = Rotations.from_config(config) if artifact.mode == "pre_rope" else None
     return BlockCodec.from_budget(artifact, settings.budget, rotations, vllm_config.model_config.dtype,
-                                  settings.sink_tokens)
+                                  settings.sink_tokens, block_tokens=vllm_config.cache_config.block_size,
+                                  prefix_tokens=settings.prefix_tokens)
 
 
 @dataclass(frozen=True)
