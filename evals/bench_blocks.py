@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_smollm2(torch.bfloat16)
     artifacts = load_artifacts(torch.bfloat16)
     rotations = Rotations.from_model(model)
-    codecs = {(budget, mode): BlockCodec.from_budget(artifact, budget, rotations)
+    codecs = {(budget, mode): BlockCodec.from_budget(artifact, budget, rotations, block_tokens=args.block,
+                                                     prefix_tokens=args.prefix)
               for budget in BUDGETS for mode, artifact in artifacts.items()}
     full = 2 * 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim
     rows = []

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             ids = ([tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"])[:args.prefix]
             layers = prefix_kv(model, torch.tensor([ids]))
             for budget in BUDGETS:
-                codec = BlockCodec.from_budget(artifact, budget, rotations)
+                codec = BlockCodec.from_budget(artifact, budget, rotations, block_tokens=args.block,
+                                               prefix_tokens=args.prefix)
                 keys = block_keys(codec.fingerprint, ids, args.block)
                 positions = [torch.arange(i * args.block, (i + 1) * args.block) for i in range(len(keys))]
                 blocks = {key: codec.encode([(k[p], v[p]) for k, v in layers], p) for key, p in zip(keys, positions)}
