@@ -22,6 +22,7 @@ import csv
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 
+from patchkv.budgets import EXACT  # noqa: E402
 from patchkv.integrations.vllm import kv_transfer_config  # noqa: E402
 from patchkv.provenance import commit, provenance  # noqa: E402
 
@@ -45,7 +47,7 @@ ARTIFACT = ROOT / "artifacts" / "smollm2-bases" / "pre_rope.safetensors"
 DOMAINS = ("prose", "shakespeare", "milton")
 BLOCK = 32
 GIB = 1 << 30
-FIELDS = ("budget", "method", "document", "prefix_tokens", "stored_bytes_per_token", "bf16_bytes_per_token",
+FIELDS = ("budget", "method", "sink_tokens", "document", "prefix_tokens", "stored_bytes_per_token", "bf16_bytes_per_token",
           "compression_vs_bf16", "prefixes_per_gib", "bf16_prefixes_per_gib", "ttft_recompute_s", "ttft_hit_s",
           "ttft_hit_over_recompute", "continuation_tokens", "ppl_recompute", "ppl_hit", "ppl_change_pct", "commit",
           "command")
@@ -94,7 +96,8 @@ def measure(llm: LLM, budget: str, domain: str, args: argparse.Namespace, bf16: 
     ppl = [math.exp(-sum(scored[i] for i in both) / len(both)) for scored in (exact, loaded)]
     stored_tokens = len(prefix) // BLOCK * BLOCK  # a finished request's full computed blocks
     per_token = stored_bytes / max(stored_tokens, 1)
-    return {"budget": budget, "method": worker.codec.method.spec(), "document": f"{domain}#0",
+    return {"budget": budget, "method": worker.codec.method.spec(), "sink_tokens": worker.codec.sink_tokens,
+            "document": f"{domain}#0",
             "prefix_tokens": len(prefix),
             "stored_bytes_per_token": round(per_token, 1), "bf16_bytes_per_token": bf16,
             "compression_vs_bf16": round(bf16 / per_token, 3), "prefixes_per_gib": int(GIB // stored_bytes),
@@ -108,7 +111,8 @@ def run_budget(budget: str, args: argparse.Namespace) -> list[dict]:
     """One engine (vLLM keeps one per process) with the store at `budget`, every document measured."""
     llm = LLM(model=str(SMOLLM2), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               distributed_executor_backend="uni", block_size=BLOCK, max_model_len=8192, seed=0,
-              kv_transfer_config=kv_transfer_config(ARTIFACT, budget=budget, store_bytes=GIB))
+              kv_transfer_config=kv_transfer_config(ARTIFACT, budget=budget, store_bytes=GIB,
+                                                    sink_tokens=args.sink_tokens))
     model = llm.llm_engine.vllm_config.model_config
     bf16 = 2 * 2 * model.hf_config.num_hidden_layers * model.hf_config.num_key_value_heads * model.get_head_size()
     warm = llm.get_tokenizer()(document("prose"))["input_ids"][-300:]  # the engine's first steps, a store and a hit
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix", type=int, default=4096 - 512)
     parser.add_argument("--continuation", type=int, default=512)
     parser.add_argument("--domains", default=",".join(DOMAINS))
+    parser.add_argument("--sink-tokens", type=int, default=EXACT[0], help="positions stored exact")
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)  # one budget's rows, from a child process
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -136,10 +141,10 @@ def main(argv: list[str] | None = None) -> None:
              "command": "OMP_NUM_THREADS=1 .venv-vllm/bin/python evals/vllm/store.py " + shlex.join(argv)}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for budget in args.budgets.split(","):
+        for budget in re.split(r",(?![a-z_]+=)", args.budgets):  # a spec's own commas precede its options
             part = Path(folder) / f"{budget}.json"
             child = ["--budgets", budget, "--prefix", str(args.prefix), "--continuation", str(args.continuation),
-                     "--domains", args.domains, "--rows", str(part)]
+                     "--domains", args.domains, "--sink-tokens", str(args.sink_tokens), "--rows", str(part)]
             subprocess.run([sys.executable, __file__, *child], check=True)
             rows += [{**row, **stamp} for row in json.loads(part.read_text())]
             print(*rows[-3:], sep="\n", flush=True)
