@@ -161,10 +161,11 @@ def block_bits(artifact: Artifact, ratio: float, pool: str, basis: str = "head",
 
 
 def block_method(artifact: Artifact, text: str, *, block_tokens: int = BLOCK_TOKENS, prefix_tokens: int = PREFIX_TOKENS,
-                 sink_tokens: int = EXACT[0], element_size: int = 2) -> CodecMethod:
+                 sink_tokens: int = EXACT[0], element_size: int = 2, basis: str = "head") -> CodecMethod:
     """A budget ("8x" against the 16-bit cache, everything counted over prefixes of at least `prefix_tokens` in
     `block_tokens`-token blocks with `sink_tokens` exact sinks (`block_bits`), or "119" bits per KV head and token)
-    as the `Quantized` codes a block stores, or a codec method's spec ("lowrank:rank=64", "quantized:bits=96")."""
+    as the `Quantized` codes a block stores on `basis` ("head" or "layer": the artifact's layer bases), or a codec
+    method's spec ("lowrank:rank=64", "quantized:bits=96,basis=layer")."""
     if ":" in text or text.strip().lower() in ("lowrank", "quantized"):
         method = parse_method(text.strip())
         if not isinstance(method, CodecMethod):
@@ -177,9 +178,9 @@ def block_method(artifact: Artifact, text: str, *, block_tokens: int = BLOCK_TOK
     pool = budget.pool or default_pool(artifact)
     bits = budget.bits
     if bits is None:
-        bits = block_bits(artifact, budget.ratio, pool, budget.basis, block_tokens=block_tokens,
+        bits = block_bits(artifact, budget.ratio, pool, basis, block_tokens=block_tokens,
                           prefix_tokens=prefix_tokens, sink_tokens=sink_tokens, element_size=element_size)
-    return Quantized(bits, pool=pool, basis=budget.basis)
+    return Quantized(bits, pool=pool, basis=basis)
 
 
 @dataclass(frozen=True)
@@ -222,12 +223,13 @@ class BlockCodec:
     @classmethod
     def from_budget(cls, artifact: Artifact, budget: str, rotations: Rotations | None = None,
                     dtype: torch.dtype = torch.bfloat16, sink_tokens: int = EXACT[0], *,
-                    block_tokens: int = BLOCK_TOKENS, prefix_tokens: int = PREFIX_TOKENS) -> BlockCodec:
-        """The codec for a budget or codec spec (`block_method`): a ratio holds, everything counted, for every prefix
-        of at least `prefix_tokens` tokens stored in `block_tokens`-token blocks."""
+                    block_tokens: int = BLOCK_TOKENS, prefix_tokens: int = PREFIX_TOKENS, basis: str = "head"
+                    ) -> BlockCodec:
+        """The codec for a budget or codec spec (`block_method`, codes on `basis`): a ratio holds, everything counted,
+        for every prefix of at least `prefix_tokens` tokens stored in `block_tokens`-token blocks."""
         size = torch.empty(0, dtype=dtype).element_size()
         method = block_method(artifact, budget, block_tokens=block_tokens, prefix_tokens=prefix_tokens,
-                              sink_tokens=sink_tokens, element_size=size)
+                              sink_tokens=sink_tokens, element_size=size, basis=basis)
         return cls(artifact, method, rotations, dtype, sink_tokens)
 
     def describe(self) -> str:

