@@ -17,8 +17,8 @@ Answers are greedy, up to the sample's `max_new_tokens`, stopping at EOS or, for
 the text (`stop`), as the suite's greedy decoder does (RULER's metrics only look for the references). Each line:
 the peers' format (`python -m evals peers`: task, context_length, index, method, prediction, kv_bytes_per_token,
 seconds, commit, command) plus `hit_tokens`; `kv_bytes_per_token` is what the store holds per token of the
-prompt's stored blocks (headers and sinks included, `prefix_bytes`), or vLLM's bf16 page bytes per token without a connector. Lines already in --out (by
-method and index) are skipped, so a run resumes.
+prompt's stored blocks (headers and sinks included, `prefix_bytes`), or vLLM's bf16 page bytes per token without a
+connector. Lines already in --out (by method and index) are skipped, so a run resumes.
 """
 
 from __future__ import annotations
@@ -50,8 +50,12 @@ GIB = 1 << 30
 NONE = "none"
 
 
-def method_name(budget: str) -> str:
-    return "vllm" if budget == NONE else f"vllm store {budget}"
+def method_name(budget: str, args: argparse.Namespace) -> str:
+    """The records' config name: "vllm" without a connector, "vllm store 16x" (and its options that differ)."""
+    if budget == NONE:
+        return "vllm"
+    return (f"vllm store {budget}" + (f" {args.basis} bases" if args.basis != "head" else "")
+            + (f" recompute {args.recompute_tokens}" if args.recompute_tokens else ""))
 
 
 def samples(task: str, context: int, count: int) -> list[dict]:
@@ -88,14 +92,15 @@ def run_budget(budget: str, args: argparse.Namespace, stamp: dict) -> None:
 
     from patchkv.integrations.vllm import kv_transfer_config
 
-    transfer = None if budget == NONE else kv_transfer_config(ARTIFACT, budget=budget, store_bytes=args.store_bytes)
+    transfer = None if budget == NONE else kv_transfer_config(
+        ARTIFACT, budget=budget, store_bytes=args.store_bytes, recompute_tokens=args.recompute_tokens, basis=args.basis)
     llm = LLM(model=str(SMOLLM2), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               distributed_executor_backend="uni", block_size=BLOCK, max_model_len=args.context + 1024, seed=0,
               kv_transfer_config=transfer)
     model = llm.llm_engine.vllm_config.model_config
     bf16 = 2 * 2 * model.hf_config.num_hidden_layers * model.hf_config.num_key_value_heads * model.get_head_size()
     worker = None if transfer is None else get_kv_transfer_group()
-    method, skip = method_name(budget), done(args.out)
+    method, skip = method_name(budget, args), done(args.out)
     for sample in samples(args.task, args.context, args.samples):
         if (method, sample["index"]) in skip:
             continue
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--store-bytes", type=int, default=4 * GIB, help="the store's memory: every prompt fits")
+    parser.add_argument("--recompute-tokens", type=int, default=0, help="a hit's last tokens computed, not loaded")
+    parser.add_argument("--basis", default="head", help="the bases a ratio budget codes on: head or layer")
     parser.add_argument("--stamp", help=argparse.SUPPRESS)  # commit and command, from the parent process
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -138,11 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.stamp is not None:
         run_budget(args.budgets, args, json.loads(args.stamp))
         return
+    scored = f".venv/bin/python -m evals peers --predictions {os.path.relpath(args.out, ROOT)}"
     stamp = {"commit": commit(), "command": "OMP_NUM_THREADS=1 .venv-vllm/bin/python evals/vllm/ruler.py "
-             + shlex.join(argv) + f", scored by .venv/bin/python -m evals peers --predictions {os.path.relpath(args.out, ROOT)}"}
+             + shlex.join(argv) + ", scored by " + scored}
     for budget in args.budgets.split(","):
         child = ["--budgets", budget, "--task", args.task, "--context", str(args.context), "--samples",
-                 str(args.samples), "--store-bytes", str(args.store_bytes), "--out", str(args.out),
+                 str(args.samples), "--store-bytes", str(args.store_bytes), "--recompute-tokens",
+                 str(args.recompute_tokens), "--basis", args.basis, "--out", str(args.out),
                  "--stamp", json.dumps(stamp)]
         subprocess.run([sys.executable, __file__, *child], check=True)
     print(f"wrote {args.out}; score: .venv/bin/python -m evals peers --predictions {args.out}")

