@@ -10,8 +10,10 @@ ids every runner reads: `.cache/ruler/niah_single_1@<context>.jsonl`, context th
 
 - "vllm": no connector, each prompt answered once (the reference);
 - "vllm store <budget>": `PatchKVConnector` at that budget on the pre-RoPE bases. Each prompt is sent once for one
-  token (the connector stores its full blocks when it finishes), then again: every full block but the last token's
-  is loaded from the store (`hit_tokens` records how many tokens vLLM did not compute), and that answer is scored.
+  token (the connector stores its full blocks when it finishes), then again: its stored blocks are loaded from the
+  store but those holding the last `--recompute-tokens` (the connector's default, 128) and the last token, which vLLM
+  computes (`hit_tokens` records how many tokens vLLM did not compute), and that answer is scored. The method's
+  name says the options that differ from loading every block on per-head bases ("vllm store 16x recompute 128").
 
 Answers are greedy, up to the sample's `max_new_tokens`, stopping at EOS or, for a single reference, once it is in
 the text (`stop`), as the suite's greedy decoder does (RULER's metrics only look for the references). Each line:
@@ -39,6 +41,7 @@ for _name, _value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACH
 import torch  # noqa: E402
 
 from patchkv.block_codec import prefix_bytes  # noqa: E402
+from patchkv.integrations.vllm import RECOMPUTE_TOKENS  # noqa: E402
 from patchkv.provenance import commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--store-bytes", type=int, default=4 * GIB, help="the store's memory: every prompt fits")
-    parser.add_argument("--recompute-tokens", type=int, default=0, help="a hit's last tokens computed, not loaded")
+    parser.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
+                        help="a hit's last tokens computed, not loaded")
     parser.add_argument("--basis", default="head", help="the bases a ratio budget codes on: head or layer")
     parser.add_argument("--stamp", help=argparse.SUPPRESS)  # commit and command, from the parent process
     args = parser.parse_args(argv)

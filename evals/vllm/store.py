@@ -42,7 +42,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 
 from patchkv.budgets import EXACT  # noqa: E402
-from patchkv.integrations.vllm import kv_transfer_config  # noqa: E402
+from patchkv.integrations.vllm import RECOMPUTE_TOKENS, kv_transfer_config  # noqa: E402
 from patchkv.provenance import commit, provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--continuation", type=int, default=512)
     parser.add_argument("--domains", default=",".join(DOMAINS))
     parser.add_argument("--sink-tokens", type=int, default=EXACT[0], help="positions stored exact")
-    parser.add_argument("--recompute-tokens", type=int, default=0, help="a hit's last tokens computed, not loaded")
+    parser.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
+                        help="a hit's last tokens computed, not loaded")
     parser.add_argument("--basis", default="head", help="the bases a ratio budget codes on: head or layer")
     parser.add_argument("--name", default="vllm", help="the results file: <out>/<name>.csv")
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)  # one budget's rows, from a child process

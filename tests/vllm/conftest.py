@@ -33,7 +33,7 @@ def documents(domain: str = "prose") -> list[str]:
 
 
 def engine(budget: str, store_bytes: int):
-    """An in-process `LLM` on SmolLM2 with the store at `budget`, `store_bytes`."""
+    """An in-process `LLM` on SmolLM2 with the store at `budget`, `store_bytes`, a hit loading every block."""
     from vllm import LLM
 
     from patchkv.integrations.vllm import kv_transfer_config
@@ -43,4 +43,5 @@ def engine(budget: str, store_bytes: int):
     torch.set_num_threads(1)
     return LLM(model=str(SMOLLM2), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
                distributed_executor_backend="uni", block_size=BLOCK, max_model_len=2048, seed=0,
-               kv_transfer_config=kv_transfer_config(ARTIFACT, budget=budget, store_bytes=store_bytes))
+               kv_transfer_config=kv_transfer_config(ARTIFACT, budget=budget, store_bytes=store_bytes,
+                                                     recompute_tokens=0))
