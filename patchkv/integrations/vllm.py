@@ -18,10 +18,11 @@ or, serving, `vllm serve MODEL --kv-transfer-config '{"kv_connector": "PatchKVCo
 
 How it works. vLLM runs this class twice, in two processes:
 - scheduler side: names every full block of a request by its key (`patchkv.prefix_store.block_keys`, chained from
-  the codec's fingerprint), answers how many leading prompt blocks the store holds (a hit: vLLM then computes only
-  the rest), and, when a request finishes, admits its full computed blocks into an index of sizes under the byte
-  budgets (`PrefixStore` with sizes only: least recently used pushed to the disk tier, or evicted) and keeps the
-  request's blocks from being freed until they are saved. An aborted request stores nothing.
+  the codec's fingerprint), answers how many leading prompt blocks the store holds, less those of the last
+  `recompute_tokens` (a hit: vLLM then computes only the rest, so the tokens after it read exact neighbours), and,
+  when a request finishes, admits its full computed blocks into an index of sizes under the byte budgets
+  (`PrefixStore` with sizes only: least recently used pushed to the disk tier, or evicted) and keeps the request's
+  blocks from being freed until they are saved. An aborted request stores nothing.
 - worker side: holds the blocks' bytes (`PrefixStore` again, the same budgets as a guard, its spill files in
   `spill_dir`), saves the finished requests' blocks (read from the paged cache, encoded by
   `patchkv.block_codec.BlockCodec`), evicts what the scheduler evicted, and loads hits (a spilled block is read back
@@ -81,7 +82,7 @@ logger = init_logger(__name__)
 #: the store's size when `store_bytes` is not given
 DEFAULT_STORE_BYTES = 1 << 30
 #: a hit's last tokens vLLM computes instead of loading, by default: at 16x they cut the perplexity cost after a
-#: 3584-token hit from +5.7% to +2.9% on average (evals/results/vllm_16x_variants.csv) for 4% more prefill
+#: 3584-token hit from +5.6% to +2.9% on average (evals/results/vllm_16x_variants.csv) for 4% more prefill
 RECOMPUTE_TOKENS = 128
 
 
