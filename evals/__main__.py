@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def peers(args: argparse.Namespace) -> None:
-    """Score evals/peers' answers with the same task scorer and add them as sample records."""
+    """Score evals/peers' (or evals/vllm's) answers with the same task scorer and add them as sample records, with
+    their protocol where they name one (the summary's `protocol` then says it, not the suite's)."""
     from .tasks import ruler_score
 
     stamp, here = {"machine": machine()}, commit()
@@ -135,7 +136,7 @@ def peers(args: argparse.Namespace) -> None:
                              "prediction": p["prediction"], "commit": p.get("commit") or here,
                              "dtype": p.get("dtype", "bfloat16"), "command": p.get("command") or f"evals/peers/kvpress_ruler.py --out {args.predictions} "
                              f"(.venv-peers), scored by {command()}", **stamp, "threads": p.get("threads", 1),
-                             "date": p.get("date", "")})
+                             "date": p.get("date", ""), **({"protocol": p["protocol"]} if "protocol" in p else {})})
     write_summary(args.results)
 
 
@@ -156,7 +157,8 @@ def summarise(records: list[dict], task: str) -> list[dict]:
         rows.append({"method": config, "family": suite_config(config).family, "kv_bytes_per_token": round(held, 1),
                      "compression_vs_bf16": round(sixteen_bit_bytes_per_token() / held, 3), "task": task,
                      "context": records[0]["context"], "samples": len(indices), "score": round(score, 4),
-                     "ci95": round(ci, 4), "unpatched_score": round(unpatched, 4), "protocol": PROTOCOL[kind],
+                     "ci95": round(ci, 4), "unpatched_score": round(unpatched, 4),
+                     "protocol": got[indices[0]].get("protocol", PROTOCOL[kind]),
                      "commit": " ".join(sorted({got[i]["commit"][:7] for i in indices})),
                      "command": " | ".join(sorted({got[i]["command"] for i in indices}))})
     return rows

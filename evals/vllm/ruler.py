@@ -18,7 +18,7 @@ ids every runner reads: `.cache/ruler/niah_single_1@<context>.jsonl`, context th
 Answers are greedy, up to the sample's `max_new_tokens`, stopping at EOS or, for a single reference, once it is in
 the text (`stop`), as the suite's greedy decoder does (RULER's metrics only look for the references). Each line:
 the peers' format (`python -m evals peers`: task, context_length, index, method, prediction, kv_bytes_per_token,
-seconds, commit, command) plus `hit_tokens`; `kv_bytes_per_token` is what the store holds per token of the
+seconds, commit, command, protocol) plus `hit_tokens`; `kv_bytes_per_token` is what the store holds per token of the
 prompt's stored blocks (headers and sinks included, `prefix_bytes`), or vLLM's bf16 page bytes per token without a
 connector. Lines already in --out (by method and index) are skipped, so a run resumes.
 """
@@ -34,6 +34,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+#: what a line's answer was read from (the summary's protocol column)
+PROTOCOL = "prompt stored through vLLM, then answered from the blocks the store loaded (vLLM's prefix cache off)"
+PROTOCOL_NONE = "prompt answered by vLLM without a connector"
 
 for _name, _value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "2")):
     os.environ.setdefault(_name, _value)
@@ -123,6 +127,7 @@ def run_budget(budget: str, args: argparse.Namespace, stamp: dict) -> None:
                   "kv_bytes_per_token": round(per_token, 1), "seconds": round(time.perf_counter() - began, 3),
                   "threads": torch.get_num_threads(), "date": datetime.datetime.now(datetime.timezone.utc)
                   .isoformat(timespec="seconds"), **stamp}
+        record["protocol"] = PROTOCOL if worker is not None else PROTOCOL_NONE
         if worker is not None:
             record["codec"] = worker.codec.describe()
         with open(args.out, "a") as f:
