@@ -30,7 +30,7 @@ from .methods import Method, NearCodes, Quantized, Salience, SinksWindow, parse_
 EXACT = (4, 32)
 #: bytes of the int32 true position a LatentCache keeps per token
 POSITION_BYTES = 4
-#: bytes a salient token's middle index (int32) and score (float32) take per KV head, beside its exact key and value
+#: bytes a salient token's coded index (int32) and score (float32) take per KV head, beside its exact key and value
 SALIENT_INDEX_BYTES = 8
 #: the budgets calibration fits step scales for when none are asked for
 DEFAULT_BUDGETS = ("4x", "8x", "16x")
@@ -54,15 +54,15 @@ def check_context(context: int) -> None:
         raise ValueError(f"context must be at least 1 token (the length the budget is met at), got {context}.")
 
 
-def salient_bytes(artifact, salience: Salience | None, middle: int) -> int:
-    """Bytes a `salience` method's exact tokens take over a middle of `middle` coded tokens: per KV head of every
-    full-attention layer (a sliding-window layer keeps none), `capacity(middle)` keys and values in 16 bits with
-    their index and score."""
+def salient_bytes(artifact, salience: Salience | None, coded: int) -> int:
+    """Bytes a `salience` method's exact tokens take over `coded` coded tokens (middle and near): per KV head of every
+    full-attention layer (a sliding-window layer keeps none), `capacity(coded)` keys and values in 16 bits with their
+    index and score."""
     if salience is None:
         return 0
     per_head = 2 * artifact.head_dim * 2 + SALIENT_INDEX_BYTES
     full_layers = sum(window is None for window in artifact.sliding_windows)
-    return salience.capacity(middle) * per_head * full_layers * artifact.num_kv_heads
+    return salience.capacity(coded) * per_head * full_layers * artifact.num_kv_heads
 
 
 def exact_tokens(held: int, context: int, sink_tokens: int, window: int) -> int:

@@ -184,9 +184,10 @@ class LatentLayer(CacheLayerMixin):
         t = self.tensors
         start = self.coded_len  # the leaving tokens' first coded index (middle, then near tokens, in position order)
         exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
-        # the middle's codes of the leaving tokens (with near codes, what a salience method scores: where they end)
+        # the middle's codes of the leaving tokens (with near codes, made only for a salience method that reads them)
+        reads = self.salience is not None and self.salience.reads_codes
         stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)] \
-            if not self.near_tokens or self.salience is not None else None
+            if not self.near_tokens or reads else None
         if self.salience is not None:
             if observed is not None:  # the leaving tokens as this forward's queries read them
                 observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]
@@ -222,18 +223,18 @@ class LatentLayer(CacheLayerMixin):
             t[name] = torch.cat([t[name][:, :, recoded:], near.encode(x[:, :, direct:])], dim=2)
             t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
 
-    def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor], start: int,
+    def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor] | None, start: int,
                       observed: Observation | None = None) -> None:
         """Tokens leaving the window at coded index `start` (the middle's, then the near tokens', in position order:
         a token moving from the near region into the middle keeps its index), exact `[batch, kv_heads, n, head_dim]`
-        and as the middle stores them: each KV head keeps the `capacity` best scored of the exact tokens it held and
+        and as the middle stores them (None with near codes, for a method that does not read them): each KV head keeps the `capacity` best scored of the exact tokens it held and
         these (kept in coded order)."""
         t = self.tensors
         n = keys.shape[2]
         capacity = self.salience.capacity(start + n)
         if capacity == 0:
             return
-        score = self.salience.rank(self.patch, keys, values, tuple(stored), observed).unsqueeze(-1)
+        score = self.salience.rank(self.patch, keys, values, stored and tuple(stored), observed).unsqueeze(-1)
         index = torch.arange(start, start + n, dtype=torch.int32, device=keys.device)
         index = index.view(1, 1, n, 1).expand(*keys.shape[:2], n, 1)
         held = {name: torch.cat([t[name], new], dim=2) for name, new in zip(

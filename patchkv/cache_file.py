@@ -18,7 +18,8 @@ One safetensors file. Tensors, for each layer `i` and each region `r` of `patchk
 
     positions          int32 [batch, seen]      true position of every token (the cache's position track)
     layers.{i}.{r}     the region as held       encoding "raw" (the salient regions of a `Salience` method:
-                                                exact keys and values, int32 middle index, float32 score, each
+                                                exact keys and values, int32 coded index (over the
+                                                middle, then the near tokens), float32 score, each
                                                 `[batch, kv_heads, s, ...]`; zero-sized without one; the near
                                                 regions of `NearCodes`, zero-sized without it)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes

@@ -19,8 +19,9 @@ class Visible:
     as stored, `[batch, m, width]` (fixed-rate codes or packed floats, read through `patchkv.kernels`);
     near_keys/near_values: the newest coded tokens at the near rate (`patchkv.methods.NearCodes`), `[batch, n,
     near width]` as stored, None where the plan keeps none; *_positions: true positions `[batch, n]`. salient_*: the
-    middle tokens each KV head also holds exact (`patchkv.methods.Salience`), `[batch, kv_heads, s, head_dim]` in
-    cache space, at middle indices `salient_index` int64 `[batch, kv_heads, s]` and true positions
+    coded tokens each KV head also holds exact (`patchkv.methods.Salience`), `[batch, kv_heads, s, head_dim]` in
+    cache space, at coded indices `salient_index` int64 `[batch, kv_heads, s]` (over the middle, then the near
+    tokens) and true positions
     `salient_positions` `[batch, kv_heads, s]`; None where the plan keeps none. Attention reads them in place of
     their codes.
     """

@@ -163,6 +163,13 @@ def test_decode_steps_read_kept_near_and_middle_tokens_exact(family, mode, score
                  extra=(patchkv.NearCodes(6, factor=2), scorer(0.3)))
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_decode_steps_read_kept_tokens_when_every_coded_token_is_near(mode, attn, monkeypatch):
+    """An empty middle: the kept tokens' copies stand in for near codes only, and the middle's pass is skipped."""
+    check_decode("llama", attn, mode, dict(sink_tokens=2, window=3, bits=40), monkeypatch,
+                 extra=(patchkv.NearCodes(40, factor=2), patchkv.CodeError(0.3)))
+
+
 def test_kept_tokens_are_chosen_over_near_and_middle_and_keep_their_index_as_they_move():
     """Post-RoPE, layer 0 (whose keys do not depend on the cache): after a prefill and every decode step each KV head
     keeps exact the `capacity` best by key norm of the tokens it kept and the newcomer (all coded tokens at the
@@ -206,9 +213,10 @@ def test_kept_tokens_survive_save_load_and_crop_into_the_near_region(tmp_path):
             assert a.salient_len > 0 and all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
         assert torch.equal(model(ids[:, -4:], cache=cache, use_cache=True).logits,
                            model(ids[:, -4:], cache=loaded, use_cache=True).logits)
+        before = [layer.salient_len for layer in loaded.layers]
         loaded.crop(-10)  # the window and 7 of the near tokens go, and the copies of those
-        for layer in loaded.layers:
-            assert layer.near_len == 1 and layer.salient_len > 0
+        for layer, held in zip(loaded.layers, before):
+            assert layer.near_len == 1 and 0 < layer.salient_len < held
             assert bool((layer.tensors["salient_index"] < layer.coded_len).all())
         beams = model.generate(ids[:1], max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
         assert beams.shape == (1, 46)
@@ -220,6 +228,7 @@ def test_budgets_pay_for_near_codes_and_kept_tokens_together():
     context, near, kept = 400, patchkv.NearCodes(64, factor=2), patchkv.CodeError(1 / 16)
     assert parse_budget("4x+near:tokens=64+code_error:fraction=0.0625") == parse_budget(
         "4x+code_error:fraction=0.0625+near:tokens=64") == Budget(ratio=4, near=near, salience=kept)
+    assert parse_budget("119+near+novelty") == Budget(bits=119, near=patchkv.NearCodes(), salience=patchkv.Novelty())
     with pytest.raises(ValueError, match="two salience"):
         parse_budget("16x+novelty+key_norm")
     alone = Budget(ratio=4, pool="head", near=near).methods(art, context)
@@ -229,4 +238,18 @@ def test_budgets_pay_for_near_codes_and_kept_tokens_together():
         cache = model(calibration_ids(1, context, seed=6), use_cache=True).cache
     copies = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items() if name.startswith("salient"))
     assert copies == salient_bytes(art, kept, context - 4 - 32) > 0
+    assert 0.9 * sixteen_bit_bytes(art) / 4 < cache.nbytes() / context <= sixteen_bit_bytes(art) / 4
+
+
+def test_layer_bases_pay_for_near_codes_and_kept_tokens_within_the_budget():
+    model = make_model(dtype=torch.bfloat16)
+    art = patchkv.calibrate(model, calibration_ids(), rank=model.model.layers[0].self_attn.head_dim // 2,
+                            progress=False, layer_bases=True).to_dtype(torch.bfloat16)
+    context = 400
+    methods = Budget(ratio=4, pool="head", basis="layer", near=patchkv.NearCodes(64), salience=patchkv.Novelty(1 / 16)
+                     ).methods(art, context)
+    assert methods[1].basis == "layer"
+    with patchkv.patched(model, art, methods):
+        cache = model(calibration_ids(1, context, seed=6), use_cache=True).cache
+    assert all(layer.near_len == 64 and layer.salient_len > 0 for layer in cache.layers)
     assert 0.9 * sixteen_bit_bytes(art) / 4 < cache.nbytes() / context <= sixteen_bit_bytes(art) / 4

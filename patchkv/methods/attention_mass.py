@@ -19,7 +19,7 @@ from .base import Salience, check_int
 
 @dataclass(frozen=True)
 class AttentionMass(Salience):
-    """`fraction` of each KV head's middle kept exact: the tokens the last `observe` queries attend to most."""
+    """`fraction` of each KV head's coded tokens kept exact: the tokens the last `observe` queries attend to most."""
 
     name = "attention_mass"
     observes = True

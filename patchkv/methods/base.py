@@ -109,12 +109,12 @@ class Observation:
 
 @dataclass(frozen=True)
 class Salience(Method):
-    """A method that keeps a `fraction` of each KV head's middle tokens exact beside their codes: the tokens its
-    `score` ranks highest among those the head has coded. Tokens are scored once, as they leave the window (the
-    whole prefill at once, one token per decode step); each full-attention layer keeps, per KV head, the
-    `capacity(middle)` best seen so far (a newcomer that scores above the lowest displaces it, which is then read
+    """A method that keeps a `fraction` of each KV head's coded tokens (middle and near) exact beside their codes:
+    the tokens its `score` ranks highest among those the head has coded. Tokens are scored once, as they leave the
+    window (the whole prefill at once, one token per decode step); each full-attention layer keeps, per KV head, the
+    `capacity(coded)` best seen so far (a newcomer that scores above the lowest displaces it, which is then read
     from its codes again). Attention reads a kept token's exact key and value in place of its codes; the cache
-    counts their bytes, their middle index (int32) and their score (float32). Sliding-window layers keep none.
+    counts their bytes, their coded index (int32) and their score (float32). Sliding-window layers keep none.
 
     scope "layer": a layer's KV heads keep the same tokens, ranked by their scores averaged over the heads (a needle
     kept in every head of a layer, not in the heads where it stands out most); "head": each KV head its own."""
@@ -122,6 +122,8 @@ class Salience(Method):
     role = "salience"
     #: whether `score` reads this forward's queries (`Observation`): the attention path then passes them
     observes: ClassVar[bool] = False
+    #: whether `score` reads the tokens' middle codes (`stored`): with near codes the layer then makes them for it
+    reads_codes: ClassVar[bool] = False
     fraction: float = 1 / 128
     scope: str = "layer"
 
@@ -138,20 +140,22 @@ class Salience(Method):
         changed = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
         return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else self.name
 
-    def capacity(self, middle: int) -> int:
-        """Exact tokens each KV head keeps over a middle of `middle` coded tokens."""
-        return int(self.fraction * middle)
+    def capacity(self, coded: int) -> int:
+        """Exact tokens each KV head keeps over `coded` coded tokens."""
+        return int(self.fraction * coded)
 
-    def rank(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor],
-             observed: Observation | None = None) -> torch.Tensor:
+    def rank(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor,
+             stored: tuple[torch.Tensor, torch.Tensor] | None, observed: Observation | None = None) -> torch.Tensor:
         """`score` within the `scope`: float32 `[batch, kv_heads, n]`, equal over a layer's heads for "layer"."""
         scores = self.score(lp, keys, values, stored, observed)
         return scores.mean(1, keepdim=True).expand_as(scores).contiguous() if self.scope == "layer" else scores
 
-    def score(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor],
-              observed: Observation | None = None) -> torch.Tensor:
+    def score(self, lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor,
+              stored: tuple[torch.Tensor, torch.Tensor] | None, observed: Observation | None = None) -> torch.Tensor:
         """Tokens leaving the window: keys and values `[batch, kv_heads, n, head_dim]` exact in cache space, and
-        their codes as stored (`[batch, 1, n, width]` keys and values); `observed`: this forward's queries, for a
+        their codes at the middle's rate (`[batch, 1, n, width]` keys and values: as the middle stores them, or will
+        once they leave the near region; given to a method that `reads_codes`, else possibly None); `observed`: this
+        forward's queries, for a
         method that `observes` (None where the layer has none, e.g. effect-weight calibration) -> float32 `[batch,
         kv_heads, n]`, higher kept first."""
         raise NotImplementedError

@@ -22,9 +22,10 @@ from .base import Salience
 
 @dataclass(frozen=True)
 class CodeError(Salience):
-    """`fraction` of each KV head's middle kept exact: the tokens whose codes miss them most (module docstring)."""
+    """`fraction` of each KV head's coded tokens kept exact: the tokens whose codes miss them most (module docstring)."""
 
     name = "code_error"
+    reads_codes = True
 
     def score(self, lp, keys, values, stored, observed=None):
         total = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)

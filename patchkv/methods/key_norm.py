@@ -12,7 +12,7 @@ from .base import Salience
 
 @dataclass(frozen=True)
 class KeyNorm(Salience):
-    """`fraction` of each KV head's middle kept exact: the tokens with the lowest key norm."""
+    """`fraction` of each KV head's coded tokens kept exact: the tokens with the lowest key norm."""
 
     name = "key_norm"
 

@@ -28,7 +28,7 @@ NEIGHBOURS = 8
 
 @dataclass(frozen=True)
 class Novelty(Salience):
-    """`fraction` of each KV head's middle kept exact: the tokens farthest from every other (module docstring)."""
+    """`fraction` of each KV head's coded tokens kept exact: the tokens farthest from every other (module docstring)."""
 
     name = "novelty"
     references: int = 256
