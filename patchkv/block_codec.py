@@ -173,8 +173,10 @@ def block_method(artifact: Artifact, text: str, *, block_tokens: int = BLOCK_TOK
                              "codec method (lowrank:..., quantized:...).")
         return method
     budget = parse_budget(text)
-    if budget.salience is not None:
-        raise ValueError(f"budget {text!r}: a stored block has no salient tokens; drop '+{budget.salience.spec()}'.")
+    for extra in (budget.salience, budget.near):
+        if extra is not None:
+            raise ValueError(f"budget {text!r}: a stored block is coded at one rate, without salient or near tokens; "
+                             f"drop '+{extra.spec()}'.")
     pool = budget.pool or default_pool(artifact)
     bits = budget.bits
     if bits is None:

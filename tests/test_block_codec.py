@@ -143,8 +143,9 @@ def test_budgets_and_specs():
     with pytest.raises(ValueError, match="layer bases"):  # calibrated without them
         block_method(artifact, "8x", basis="layer")
     assert block_method(artifact, "lowrank:rank=8") == LowRank(rank=8)
-    with pytest.raises(ValueError, match="no salient tokens"):
-        block_method(artifact, "8x+novelty")
+    for extra in ("novelty", "near"):
+        with pytest.raises(ValueError, match=f"without salient or near tokens; drop '\\+{extra}'"):
+            block_method(artifact, f"8x+{extra}")
     with pytest.raises(ValueError, match="codec method"):
         block_method(artifact, "sinks:sink_tokens=4")
     with pytest.raises(ValueError, match="pass rotations"):

@@ -133,9 +133,9 @@ class Settings:
                              f"path of the model's patchkv bases, required); got {sorted(extra)}.")
         settings = cls(**extra)
         for name in ("store_bytes", "sink_tokens", "prefix_tokens", "recompute_tokens", "spill_bytes"):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"PatchKVConnector: {name} must be an integer >= 0, got {value!r}.")
+            value, least = getattr(settings, name), 1 if name == "prefix_tokens" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"PatchKVConnector: {name} must be an integer >= {least}, got {value!r}.")
         if settings.basis not in BASES:
             raise ValueError(f"PatchKVConnector: basis must be one of {BASES}, got {settings.basis!r}.")
         if (settings.spill_dir is None) != (settings.spill_bytes == 0):

@@ -162,6 +162,8 @@ def test_spill_settings_are_read_from_the_extra_config(tmp_path):
     with pytest.raises(ValueError, match="spill_compress"):
         Settings.read({"artifact": str(ARTIFACT), "spill_dir": str(tmp_path), "spill_bytes": 10,
                        "spill_compress": "zstd"})
+    with pytest.raises(ValueError, match="prefix_tokens must be an integer >= 1"):
+        Settings.read({"artifact": str(ARTIFACT), "prefix_tokens": 0})
 
 
 @pytest.mark.parametrize("ratio", [8, 16])
