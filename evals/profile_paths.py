@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
     lines = [f"# Profile of the three paths ({args.config} config, SmolLM2-135M-Instruct, bfloat16)", "",
-             "Produced by `python evals/profile_paths.py` (provenance in `profile.md.provenance.json`). Stage times are "
+             "Produced by `python -m evals profile` (provenance in `profile.md.provenance.json`). Stage times are "
              "the profiler's totals for the library's labels, per run; labels nest as shown.", ""]
 
     # 1. calibration

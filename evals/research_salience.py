@@ -52,7 +52,7 @@ BEFORE, AFTER = 16, 12
 
 @dataclass(frozen=True)
 class NeedleOracle(Salience):
-    """Scores 1 for the tokens around the needle (`span`: their positions in the middle, sinks excluded), 0 else."""
+    """Scores 1 for the tokens around the needle (`span`: their coded indices, sinks excluded), 0 else."""
 
     name = "needle_oracle"
     span: tuple[int, int] = (0, 0)
@@ -100,7 +100,7 @@ def variants(ratio: int, task: str = "ruler_niah_single_1") -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = parser("salience-variants", __doc__)
-    p.add_argument("--ratios", default="16,32")
+    p.add_argument("--ratios", help="comma-separated ratios (default: every ratio the task has samples for)")
     p.add_argument("--task", default="ruler_niah_single_1", choices=sorted(SAMPLES))
     args = parse(p, argv)
     model, tokenizer = load_smollm2()
@@ -109,7 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     samples = task.samples(4096, 100 if args.task.startswith("ruler") else 30, SMOLLM2)
     name_csv = "salience_variants.csv" if args.task.startswith("ruler") else f"salience_variants_{args.task}.csv"
     rows = []
-    for ratio in (int(r) for r in args.ratios.split(",")):
+    ratios = [int(r) for r in args.ratios.split(",")] if args.ratios else sorted(SAMPLES[args.task])
+    unknown = sorted(set(ratios) - set(SAMPLES[args.task]))
+    if unknown:
+        raise SystemExit(f"salience-variants: no samples chosen for {args.task} at {unknown}x; "
+                         f"ratios there: {sorted(SAMPLES[args.task])}.")
+    for ratio in ratios:
         for name, v in variants(ratio, args.task).items():
             for index in SAMPLES[args.task][ratio]:
                 sample = samples[index]
