@@ -68,6 +68,16 @@ def _salient(ratio: int, scorer: type) -> Config:
                   family=f"patchkv+{method.name}")
 
 
+def _near(ratio: int, basis: str = "head", salience=None) -> Config:
+    """`ratio` with near codes (`NearCodes`' defaults) from the same bytes, on per-head or layer bases, and a salience
+    method's exact tokens beside them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty"."""
+    near, layer, kept = patchkv.NearCodes(), "-layer" if basis == "layer" else "", f"-{salience.name}" if salience else ""
+    note = (f"global pre-RoPE codes{' on layer bases' if layer else ''} + {near.spec()}"
+            f"{f' + {salience.spec()} exact' if salience else ''}, {ratio}x vs bf16")
+    return _coded(ratio, f"{ratio}x{layer}-near{kept}", note, basis=basis, salience=salience, near=near,
+                  family=f"patchkv{layer}+near{kept.replace('-', '+')}")
+
+
 CONFIGS: dict[str, Config] = {c.name: c for c in (
     unpatched(),
     quantized_cache(4, name="quanto-int4"),
@@ -78,18 +88,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     _coded(8, "8x-post", "global post-RoPE codes, 8x vs bf16", mode="post_rope"),
     *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
                                                                        patchkv.KeyNorm, patchkv.AttentionMass)),
-    *(_coded(ratio, f"{ratio}x-near", f"global pre-RoPE codes + {patchkv.NearCodes().spec()}, {ratio}x vs bf16",
-             near=patchkv.NearCodes(), family="patchkv+near") for ratio in (8, 16, 32)),
-    *(_coded(ratio, f"{ratio}x-layer-near", f"global pre-RoPE codes on layer bases + {patchkv.NearCodes().spec()}, "
-             f"{ratio}x vs bf16", basis="layer", near=patchkv.NearCodes(), family="patchkv-layer+near")
-      for ratio in (8, 16, 32)),
-    *(_coded(ratio, f"{ratio}x-near-novelty", f"global pre-RoPE codes + {patchkv.NearCodes().spec()} + "
-             f"{patchkv.Novelty(SALIENT_FRACTION).spec()} exact, {ratio}x vs bf16", near=patchkv.NearCodes(),
-             salience=patchkv.Novelty(SALIENT_FRACTION), family="patchkv+near+novelty") for ratio in (16, 32)),
-    *(_coded(ratio, f"{ratio}x-layer-near-novelty", f"global pre-RoPE codes on layer bases + "
-             f"{patchkv.NearCodes().spec()} + {patchkv.Novelty(SALIENT_FRACTION).spec()} exact, {ratio}x vs bf16",
-             basis="layer", near=patchkv.NearCodes(), salience=patchkv.Novelty(SALIENT_FRACTION),
-             family="patchkv-layer+near+novelty") for ratio in (16, 32)),
+    *(_near(ratio, basis) for basis in ("head", "layer") for ratio in (8, 16, 32)),
+    *(_near(ratio, basis, patchkv.Novelty(SALIENT_FRACTION)) for basis in ("head", "layer") for ratio in (16, 32)),
 )}
 
 
