@@ -51,7 +51,11 @@ from .verbs import run as run_verb
 FIELDS = ["method", "family", "kv_bytes_per_token", "compression_vs_bf16", "task", "context", "samples", "score",
           "ci95", "unpatched_score", "protocol", "commit", "command"]
 RULER_PROTOCOL = "context compressed after its prefill; question and answer read the cache"
-PROTOCOL = {"ruler": RULER_PROTOCOL, "needle": RULER_PROTOCOL, "perplexity": "64 tokens per forward through the cache"}
+PROTOCOL = {"ruler": RULER_PROTOCOL, "needle": RULER_PROTOCOL, "perplexity": "64 tokens per forward through the cache",
+            "continuation": "context compressed after its prefill; its last 512 tokens read it in one forward, scored"}  # = peers'
+
+#: the task kinds scored as perplexity (an NLL sum over `count` tokens per record)
+PERPLEXITY = ("perplexity", "continuation")
 
 
 def command() -> str:
@@ -130,9 +134,11 @@ def peers(args: argparse.Namespace) -> None:
         if (p["method"], p["index"]) in done:
             continue
         done.add((p["method"], p["index"]))
+        # a continuation's prediction carries its NLL sum over `count` tokens; an answer is scored here
+        score, count = (p["nll"], p["count"]) if sample["scorer"] == "nll" else (ruler_score(sample, p["prediction"]), 1)
         append_record(path, {"config": p["method"], "task": task.name, "context": p["context_length"],
-                             "index": p["index"], "score": ruler_score(sample, p["prediction"]),
-                             "count": 1, "kv_bytes_per_token": p["kv_bytes_per_token"], "seconds": p["seconds"],
+                             "index": p["index"], "score": score,
+                             "count": count, "kv_bytes_per_token": p["kv_bytes_per_token"], "seconds": p["seconds"],
                              "prediction": p["prediction"], "commit": p.get("commit") or here,
                              "dtype": p.get("dtype", "bfloat16"), "command": p.get("command") or f"evals/peers/kvpress_ruler.py --out {args.predictions} "
                              f"(.venv-peers), scored by {command()}", **stamp, "threads": p.get("threads", 1),
@@ -169,7 +175,7 @@ def aggregate(kind: str, records: list[dict]) -> tuple[float, float]:
     with a bootstrap interval over documents (1000 resamples, seeded; nan for one document)."""
     if not records:
         return math.nan, math.nan
-    if kind != "perplexity":
+    if kind not in PERPLEXITY:
         mean = sum(r["score"] for r in records) / len(records)
         return 100 * mean, 100 * wilson_half_width(mean, len(records))
 

@@ -12,6 +12,12 @@ A runner turns a sample index into an `Outcome` record through the configuration
   `process_results`. Decoding stops at EOS, at the task's `max_gen_toks`, or once every reference answer is in the
   text: RULER's metrics (`string_match_all` / `_part`) only look for the references, so that stop is exact.
 - `NeedleText` (kind `needle`: `needle_text`): a number hidden in held-out prose, run as `Ruler` runs RULER.
+- `Continuation` (kind `continuation`: `ppl_after_prose`, ...): a held-out document cut where its last 512 tokens
+  start; the context goes through the model in one forward and is stored as the cache stores it (as RULER's), then
+  the 512 tokens are read in one forward and scored (the first from the prefill's last logits). It is the perplexity
+  a kvpress press can be scored by (`evals/peers`: a press compresses once, after the prefill), so patchkv, the
+  presses and QuantizedCache meet on one measure; bytes are those the cache holds after the prefill, per context
+  token, since the continuation is held exact by the presses.
 
 RULER's prompts are built once per (task, context) by lm-eval (seeded: some haystacks draw from the global
 generators) and kept in `.cache/ruler/<task>@<context>.jsonl` as token ids: the same ids every runner reads,
@@ -178,6 +184,50 @@ def build_ruler_samples(subtask: str, context: int, count: int, tokenizer_path: 
     return out
 
 
+@dataclass(frozen=True)
+class Continuation(Ruler):
+    """The last `tokens` of each held-out document of the data file `source`, scored after the rest was prefilled and
+    compressed (module doc). A sample: `context_ids` (BOS and the document's first `context - tokens` tokens),
+    `question_ids` (its next `tokens`), scorer "nll"."""
+
+    tokens: int = 512
+
+    def samples_path(self, context: int) -> Path:
+        return RULER_CACHE / f"{self.name}@{context}.jsonl"
+
+    def available(self, context: int) -> int:
+        return len(documents(self.source))
+
+    def build(self, context: int, count: int, tokenizer_path: Path) -> list[dict]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        out = []
+        for index, text in enumerate(documents(self.source)[:count]):
+            ids = (bos + tokenizer(text, add_special_tokens=False)["input_ids"])[:context]
+            if len(ids) < context:
+                raise ValueError(f"{self.name}: document {index} has {len(ids)} tokens, fewer than the {context} "
+                                 "asked for; use a shorter --context.")
+            out.append({"task": self.name, "context_length": context, "index": index,
+                        "context_ids": ids[:-self.tokens], "question_ids": ids[-self.tokens:], "scorer": "nll"})
+        return out
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any) -> Outcome:
+        device = next(model.parameters()).device
+        began = time.perf_counter()
+        context = torch.tensor([sample["context_ids"]], device=device)
+        continuation = torch.tensor([sample["question_ids"]], device=device)
+        out = model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.cache if cache is None else cache
+        held = cache_nbytes(cache) / context.shape[1]
+        later = model(input_ids=continuation, cache=cache, use_cache=True).logits[:, :-1]
+        logprobs = torch.cat([out.logits[:, -1:], later], dim=1).float().log_softmax(-1)
+        nll = -logprobs.gather(-1, continuation.unsqueeze(-1)).sum().item()
+        return Outcome(sample["index"], nll, continuation.shape[1], held, time.perf_counter() - began)
+
+
 #: (the sentence hidden in the text, the question that asks for it); {n} is the number
 NEEDLES = (
     ("The pass key is {n}. Remember it. {n} is the pass key.", "What is the pass key? The pass key is"),
@@ -240,6 +290,7 @@ def wilson_half_width(mean: float, n: int) -> float:
 
 
 #: the runner of each kind of task the suite runs
-RUNNERS: dict[str, type[Task]] = {"perplexity": Perplexity, "ruler": Ruler, "needle": NeedleText}
+RUNNERS: dict[str, type[Task]] = {"perplexity": Perplexity, "ruler": Ruler, "needle": NeedleText,
+                                   "continuation": Continuation}
 TASKS: dict[str, Perplexity | Ruler] = {name: RUNNERS[task.kind](**asdict(task)) for name, task in REGISTRY.items()
                                         if task.kind in RUNNERS}

@@ -82,3 +82,31 @@ def test_peers_predictions_are_scored_by_the_suites_scorer_into_its_records(tmp_
     with open(results / "smollm2_accuracy.csv") as f:
         row = next(r for r in csv.DictReader(f) if r["method"] == method)
     assert (row["samples"], float(row["score"]), float(row["kv_bytes_per_token"])) == ("2", 50.0, 1629.0)
+
+
+def test_a_continuations_nll_is_recorded_as_perplexity_with_its_bytes(tmp_path, monkeypatch):
+    """A press's continuation line (scorer "nll") becomes a record holding its NLL sum over its tokens; the summary
+    reads it as perplexity over all tokens, at the bytes the press held after the prefill."""
+    import math
+
+    import evals.__main__ as runner
+    from evals import tasks
+
+    monkeypatch.setattr(tasks, "RULER_CACHE", tmp_path / "ruler")
+    (tmp_path / "ruler").mkdir()
+    (tmp_path / "ruler" / "ppl_after_prose@4096.jsonl").write_text("".join(
+        json.dumps({"task": "ppl_after_prose", "context_length": 4096, "index": i, "context_ids": [1, 2],
+                    "question_ids": [3, 4], "scorer": "nll"}) + "\n" for i in range(2)))
+    method = "kvpress TOVAPress r=0.9375"
+    predictions = tmp_path / "kvpress.jsonl"
+    predictions.write_text("".join(json.dumps(
+        {"task": "ppl_after_prose", "context_length": 4096, "index": i, "method": method, "prediction": "",
+         "nll": nll, "count": 512, "kv_bytes_per_token": 1440.0, "seconds": 1.0}) + "\n"
+        for i, nll in enumerate((1000.0, 1200.0))))
+    runner.peers(argparse.Namespace(results=tmp_path / "results", predictions=str(predictions)))
+    records = runner.read_records(tmp_path / "results" / "samples" / "ppl_after_prose@4096.jsonl")
+    assert [(r["score"], r["count"]) for r in records] == [(1000.0, 512), (1200.0, 512)]
+    with open(tmp_path / "results" / "smollm2_accuracy.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert float(row["score"]) == pytest.approx(math.exp(2200 / 1024), rel=1e-4)
+    assert float(row["kv_bytes_per_token"]) == 1440.0

@@ -154,3 +154,20 @@ def test_salience_cost_benchmark(tmp_path):
     (row,) = list(csv.DictReader(open(tmp_path / "salience_cost.csv")))
     assert row["config"] == "16x-novelty" and 0 < float(row["scoring_fraction_of_prefill"]) < 1
     assert float(row["scoring_s"]) > 0 and (tmp_path / "salience_cost.csv.provenance.json").is_file()
+
+
+def test_a_continuation_is_scored_as_the_chunked_scorer_scores_it_after_a_prompt(smollm2):
+    """`ppl_after_prose`'s samples: a held-out document's first `context` tokens cut where its last 512 start; scored
+    unpatched, its NLL is the one `token_nll` gives with the context as the prompt and the 512 tokens in one chunk."""
+    from evals.tasks import TASKS
+
+    model, _ = smollm2
+    task = TASKS["ppl_after_prose"]
+    (sample,) = task.build(1024, 1, SMOLLM2)
+    assert (len(sample["context_ids"]), len(sample["question_ids"]), sample["scorer"]) == (512, 512, "nll")
+    outcome = task.run(model, None, sample, None)
+    ids = torch.tensor([sample["context_ids"] + sample["question_ids"]])
+    reference = token_nll(model, ids, 512, prompt=512)
+    assert outcome.count == reference.count == 512
+    assert outcome.score == pytest.approx(reference.nll, rel=1e-3)
+    assert outcome.kv_bytes_per_token == 23040  # the bf16 cache of the 512 context tokens, per token

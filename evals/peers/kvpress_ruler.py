@@ -42,6 +42,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / ".models" / "SmolLM2-135M-Instruct"
 PROTOCOL = "context compressed, question exact"
+#: a continuation sample's (scorer "nll"), as the suite's `Continuation` task words it; {n}: its tokens
+CONTINUATION_PROTOCOL = "context compressed after its prefill; its last {n} tokens read it in one forward, scored"
 
 # The presses run by default, by name (also accepted: these aliases, or any kvpress class taking compression_ratio).
 # KVzipPress is the full KVzip (context reconstruction, about 3x a prefill): FastKVzipPress downloads its trained
@@ -167,6 +169,27 @@ def answer_sample(model, tokenizer, press, context_ids: list[int], question_ids:
     return answer, len(generated), kept
 
 
+def continuation_nll(model, press, context_ids: list[int], continuation_ids: list[int]) -> tuple[float, int]:
+    """A continuation sample (scorer "nll"): the context prefilled with the press active, as `answer_sample` does it
+    (kvpress's pipeline), through the whole model so that the prefill's last logits score the continuation's first
+    token; then the continuation in one forward at the positions after the original context, its other tokens scored
+    by their predecessors' logits. Returns (the NLL sum in nats, the cache's sequence length after the prefill)."""
+    import torch
+    from transformers import DynamicCache
+
+    device = model.device
+    context = torch.tensor([context_ids], device=device)
+    continuation = torch.tensor([continuation_ids], device=device)
+    cache = DynamicCache()
+    with press(model) if press is not None else contextlib.nullcontext():
+        first = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits
+    kept = cache.get_seq_length()
+    position_ids = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1], device=device)[None]
+    later = model(input_ids=continuation, past_key_values=cache, position_ids=position_ids).logits[:, :-1]
+    logprobs = torch.cat([first, later], dim=1).float().log_softmax(-1)
+    return -logprobs.gather(-1, continuation.unsqueeze(-1)).sum().item(), kept
+
+
 def read_samples(patterns: list[str], limit: int | None) -> list[dict]:
     """Samples from the JSONL files (globs allowed), sorted by (task, context_length, index); with `limit`, the
     first `limit` indices of each (task, context_length)."""
@@ -227,16 +250,21 @@ def run(args) -> int:
                     continue
                 press = make_press(name, ratio)
                 began = time.perf_counter()
-                answer, n_new, kept = answer_sample(
-                    model, tokenizer, press, s["context_ids"], s["question_ids"], int(s["max_new_tokens"]),
-                    None if args.no_reference_stop else s.get("outputs"))
-                seconds = time.perf_counter() - began
                 n_ctx, n_q = len(s["context_ids"]), len(s["question_ids"])
+                if s.get("scorer") == "nll":  # a continuation: bytes after the prefill, per context token
+                    nll, kept = continuation_nll(model, press, s["context_ids"], s["question_ids"])
+                    scored = {"nll": nll, "count": n_q, "prediction": "", "protocol": CONTINUATION_PROTOCOL.format(n=n_q),
+                              "kv_bytes_per_token": kv_bytes_per_token(model.config, ratio, n_ctx, 0)}
+                else:
+                    answer, n_new, kept = answer_sample(
+                        model, tokenizer, press, s["context_ids"], s["question_ids"], int(s["max_new_tokens"]),
+                        None if args.no_reference_stop else s.get("outputs"))
+                    scored = {"prediction": answer, "protocol": PROTOCOL, "n_generated": n_new,
+                              "kv_bytes_per_token": kv_bytes_per_token(model.config, ratio, n_ctx, n_q)}
+                seconds = time.perf_counter() - began
                 record = {"task": s["task"], "context_length": s["context_length"], "index": s["index"],
-                          "method": method, "press": press_name(name), "compression_ratio": ratio,
-                          "kv_bytes_per_token": kv_bytes_per_token(model.config, ratio, n_ctx, n_q),
-                          "prediction": answer, "protocol": PROTOCOL, "seconds": round(seconds, 3),
-                          "n_context": n_ctx, "n_question": n_q, "n_generated": n_new,
+                          "method": method, "press": press_name(name), "compression_ratio": ratio, **scored,
+                          "seconds": round(seconds, 3), "n_context": n_ctx, "n_question": n_q,
                           "cache_tokens_after_prefill": kept, "dtype": args.dtype}
                 if "outputs" in s:
                     record["outputs"] = s["outputs"]
@@ -244,39 +272,48 @@ def run(args) -> int:
                 f.flush()
                 written += 1
                 print(f"{method} {s['task']}@{s['context_length']} #{s['index']}: {seconds:.1f} s "
-                      f"({n_ctx}+{n_q} tokens, {n_new} new) {answer[:60]!r}", flush=True)
+                      f"({n_ctx}+{n_q} tokens) {record.get('nll', record['prediction'][:60])!r}", flush=True)
     return written
 
 
 def selftest(args) -> None:
     """2 presses (one evicting per token, one with head-wise budgets) on 2 generated 300-token samples of random
-    ids: every line written with the fields the suite reads, and a second run resumes without writing any."""
+    ids and one continuation sample: every line written with the fields the suite reads, and a second run resumes
+    without writing any."""
+    import math
+
     vocab = 49152
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         samples = Path(tmp) / "samples.jsonl"
         with samples.open("w") as f:
-            for index in range(2):
+            for index in range(3):
                 ids = [rng.randrange(3, vocab) for _ in range(300)]
-                f.write(json.dumps({"task": "selftest", "context_length": 300, "index": index,
-                                    "context_ids": ids[:280], "question_ids": ids[280:], "max_new_tokens": 6}) + "\n")
+                sample = {"task": "selftest", "context_length": 300, "index": index, "context_ids": ids[:280],
+                          "question_ids": ids[280:], "max_new_tokens": 6}
+                f.write(json.dumps({**sample, "scorer": "nll"} if index == 2 else sample) + "\n")
         args.samples, args.out = [str(samples)], str(Path(tmp) / "out.jsonl")
         args.presses, args.ratios, args.limit = ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress)"], [0.75], None
-        assert run(args) == 4, "expected 4 prediction lines"
+        assert run(args) == 6, "expected 6 prediction lines"
         lines = [json.loads(line) for line in Path(args.out).read_text().splitlines()]
-        assert len(lines) == 4
+        assert len(lines) == 6
         for r in lines:
             for key in ("task", "context_length", "index", "method", "press", "compression_ratio",
                         "kv_bytes_per_token", "prediction", "protocol", "seconds"):
                 assert key in r, f"missing {key}: {r}"
-            assert isinstance(r["prediction"], str) and 1 <= r["n_generated"] <= 6, r
             assert r["method"] == f"kvpress {r['press']} r=0.75"
             # 30 layers x 3 KV heads x 64 dims x (K, V) x bf16 = 23040 bytes a whole token
-            assert abs(r["kv_bytes_per_token"] - 23040 * (0.25 * 280 + 20) / 300) < 1e-6, r
+            if r["index"] == 2:  # the continuation: its NLL over 20 tokens, bytes per context token after the prefill
+                assert r["count"] == 20 and math.isfinite(r["nll"]) and r["nll"] > 0, r
+                assert abs(r["kv_bytes_per_token"] - 23040 * 0.25) < 1e-6, r
+            else:
+                assert isinstance(r["prediction"], str) and 1 <= r["n_generated"] <= 6, r
+                assert abs(r["kv_bytes_per_token"] - 23040 * (0.25 * 280 + 20) / 300) < 1e-6, r
         snap = [r for r in lines if r["press"] == "SnapKVPress"]
         assert all(r["cache_tokens_after_prefill"] == 70 for r in snap), snap  # 280 * (1 - 0.75) kept
         assert run(args) == 0, "a second run should resume with nothing to do"
-    print("selftest: ok (SnapKVPress and AdaKVPress(ExpectedAttentionPress) at r=0.75, 2 samples each)")
+    print("selftest: ok (SnapKVPress and AdaKVPress(ExpectedAttentionPress) at r=0.75, 2 answers and 1 continuation "
+          "each)")
 
 
 def main(argv: list[str] | None = None) -> None:

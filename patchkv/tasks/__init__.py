@@ -7,6 +7,9 @@ Kinds (`Task.kind`):
   accuracy for a multiple-choice one, whether higher is better read from the YAML's own `metric_list`;
 - `perplexity`: token perplexity of one held-out 4k document of `data/` at a time, fed in chunks through the cache
   (the suite, `evals/tasks.py`);
+- `continuation`: token perplexity of a held-out document's last 512 tokens read in one forward after the rest was
+  prefilled and compressed, RULER's protocol with a continuation in place of a question (the suite; the one
+  perplexity an evicting press, which compresses once after the prefill, can be scored by);
 - `ruler`: lm-eval's RULER subtask `source`, the context compressed after its prefill, question and answer read
   through the cache (the suite);
 - `needle`: a number hidden in a held-out document of `source` and asked for after it, by RULER's protocol (the
@@ -70,6 +73,8 @@ def _lm_eval(path: Path) -> Task:
 TASKS: dict[str, Task] = {t.name: t for t in (
     *(_lm_eval(path) for path in sorted(DIR.glob("*.yaml"))),
     *(Task(f"ppl_{domain}", "perplexity", f"{domain}_4k.jsonl", "perplexity", False)
+      for domain in ("prose", "shakespeare", "milton")),
+    *(Task(f"ppl_after_{domain}", "continuation", f"{domain}_4k.jsonl", "perplexity", False)
       for domain in ("prose", "shakespeare", "milton")),
     *(Task(f"ruler_{s.removeprefix('ruler_')}", "ruler", s, "score", True) for s in (
         "niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_fwe", "ruler_vt", "ruler_cwe")),
