@@ -55,12 +55,12 @@ def check_context(context: int) -> None:
 
 
 def salient_bytes(artifact, salience: Salience | None, coded: int) -> int:
-    """Bytes a `salience` method's exact tokens take over `coded` coded tokens (middle and near): per KV head of every
-    full-attention layer (a sliding-window layer keeps none), `capacity(coded)` keys and values in 16 bits with their
-    index and score."""
+    """Bytes a `salience` method's kept tokens take over `coded` coded tokens (middle and near): per KV head of every
+    full-attention layer (a sliding-window layer keeps none), `capacity(coded)` key and value copies (16-bit, or int8
+    with their scales: `Salience.copy_bytes`) with their index and score."""
     if salience is None:
         return 0
-    per_head = 2 * artifact.head_dim * 2 + SALIENT_INDEX_BYTES
+    per_head = salience.copy_bytes(artifact.head_dim) + SALIENT_INDEX_BYTES
     full_layers = sum(window is None for window in artifact.sliding_windows)
     return salience.capacity(coded) * per_head * full_layers * artifact.num_kv_heads
 

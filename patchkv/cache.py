@@ -7,8 +7,9 @@ pre-RoPE mode, rotated in post-RoPE mode):
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
     near_keys, near_values       [batch, 1, near, near width]          the newest codes, at the near rate
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
-    salient_keys, salient_values [batch, kv_heads, s, head_dim]        exact copies of coded tokens (Salience)
+    salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience): exact, or int8
     salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
+    salient_scale                [batch, kv_heads, s, 2 or 0]          int8 copies' key and value scales (float32)
 
 Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
 `near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
@@ -64,7 +65,7 @@ from .visible import Visible
 
 #: the middle's buffer grows by this many tokens at a time
 PAGE = 64
-SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score")
+SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score", "salient_scale")
 #: every region a layer holds: sinks, middle and window, then a salience method's exact tokens
 NEAR = ("near_keys", "near_values")
 REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT, *NEAR)
@@ -154,7 +155,7 @@ class LatentLayer(CacheLayerMixin):
             empty = {"keys": _empty(keys), "values": _empty(values)}
             self.tensors = {name: empty[name.split("_")[1]] for name in ("sink_keys", "sink_values", "recent_keys",
                                                                           "recent_values")}
-            self.tensors.update(no_salient(keys, values))
+            self.tensors.update(no_salient(keys, values, self.salience))
             for name, codec in zip(("latent_keys", "latent_values", *NEAR), (self.patch.keys, self.patch.values,
                                                                              self.patch.near_keys, self.patch.near_values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
@@ -237,8 +238,9 @@ class LatentLayer(CacheLayerMixin):
         score = self.salience.rank(self.patch, keys, values, stored and tuple(stored), observed).unsqueeze(-1)
         index = torch.arange(start, start + n, dtype=torch.int32, device=keys.device)
         index = index.view(1, 1, n, 1).expand(*keys.shape[:2], n, 1)
+        copies = _copies(keys, values, self.salience.bits)
         held = {name: torch.cat([t[name], new], dim=2) for name, new in zip(
-            SALIENT, (keys, values, index, score.to(torch.float32)))}
+            SALIENT, (*copies[:2], index, score.to(torch.float32), copies[2]))}
         if held["salient_score"].shape[2] > capacity:
             held = _best(held, held["salient_score"].squeeze(-1), capacity)
         t.update(held)
@@ -328,7 +330,8 @@ class LatentLayer(CacheLayerMixin):
             seen.near_positions = near_pos
         if t["salient_keys"].shape[2]:
             index = t["salient_index"].squeeze(-1).long()
-            seen.salient_keys, seen.salient_values, seen.salient_index = t["salient_keys"], t["salient_values"], index
+            seen.salient_keys, seen.salient_values = _read_copies(t, t["recent_keys"].dtype)
+            seen.salient_index = index
             coded_pos = torch.cat([middle_pos, near_pos], dim=1) if nn else middle_pos
             seen.salient_positions = coded_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
         return seen
@@ -555,7 +558,8 @@ class LatentCache(Cache):
                  f"{sum(t.nbytes() for t in tables.values())})"]
         for i, layer in enumerate(self.layers):
             kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
-            salient = f" ({layer.salient_len} per KV head also exact)" if layer.salient_len else ""
+            copies = "exact" if layer.salience is None or layer.salience.bits == 16 else "as int8 copies"
+            salient = f" ({layer.salient_len} per KV head also {copies})" if layer.salient_len else ""
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}{salient}, "
                          f"window {layer.window_len}, {layer.nbytes()} bytes")
         return "\n".join(lines)
@@ -577,13 +581,34 @@ def check_cache(cache: Any, fingerprint: str) -> LatentCache:
     return cache
 
 
-def no_salient(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Empty salient regions for a layer whose keys and values are like `keys`, `values` `[batch, kv_heads, n,
-    head_dim]` (a plan without salience, or a cache file written before salient regions existed)."""
+def no_salient(keys: torch.Tensor, values: torch.Tensor, salience: Salience | None = None) -> dict[str, torch.Tensor]:
+    """Empty salient regions, as `salience` holds its copies, for a layer whose keys and values are like `keys`,
+    `values` `[batch, kv_heads, n, head_dim]` (a plan without salience, or a cache file written before salient regions
+    existed)."""
     shape = (*keys.shape[:2], 0, 1)
-    return {"salient_keys": _empty(keys), "salient_values": _empty(values),
+    empty = _copies(_empty(keys), _empty(values), 16 if salience is None else salience.bits)
+    return {"salient_keys": empty[0], "salient_values": empty[1],
             "salient_index": keys.new_zeros(shape, dtype=torch.int32),
-            "salient_score": keys.new_zeros(shape, dtype=torch.float32)}
+            "salient_score": keys.new_zeros(shape, dtype=torch.float32), "salient_scale": empty[2]}
+
+
+def _copies(keys: torch.Tensor, values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values `[batch, kv_heads, n, head_dim]` as a salience method holds its copies, and their scales
+    `[batch, kv_heads, n, 2]` float32: at 16 bits the tensors themselves and no scale (width 0); at 8, int8 with a
+    symmetric scale per token, head and kind (the largest magnitude at 127)."""
+    if bits == 16:
+        return keys, values, keys.new_zeros((*keys.shape[:3], 0), dtype=torch.float32)
+    scales = [x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127 for x in (keys, values)]
+    codes = [(x.float() / scale).round().clamp(-127, 127).to(torch.int8) for x, scale in zip((keys, values), scales)]
+    return codes[0], codes[1], torch.cat(scales, dim=-1)
+
+
+def _read_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's salient key and value copies `[batch, kv_heads, s, head_dim]` in `dtype`, int8 ones scaled back."""
+    keys, values, scale = tensors["salient_keys"], tensors["salient_values"], tensors["salient_scale"]
+    if not scale.shape[-1]:
+        return keys, values
+    return (keys.float() * scale[..., :1]).to(dtype), (values.float() * scale[..., 1:]).to(dtype)
 
 
 def no_near(lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:

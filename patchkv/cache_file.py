@@ -12,31 +12,34 @@ over the codes, laid out byte column by byte column (each column holds the same 
 takes back what the fixed rate spends on unlikely levels. Only packed codes (uint8 middles) are compressed; the
 exact sinks and window, low-rank latents and positions are stored as they are.
 
-Format (version 3)
+Format (version 4)
 ==================
 One safetensors file. Tensors, for each layer `i` and each region `r` of `patchkv.cache.REGIONS`:
 
     positions          int32 [batch, seen]      true position of every token (the cache's position track)
     layers.{i}.{r}     the region as held       encoding "raw" (the salient regions of a `Salience` method:
-                                                exact keys and values, int32 coded index (over the
-                                                middle, then the near tokens), float32 score, each
-                                                `[batch, kv_heads, s, ...]`; zero-sized without one; the near
+                                                key and value copies (exact, or int8 with their float32
+                                                scales in `salient_scale`, width 2; width 0 for exact
+                                                copies), int32 coded index (over the middle, then the near
+                                                tokens), float32 score, each `[batch, kv_heads, s, ...]`;
+                                                zero-sized without one; the near
                                                 regions of `NearCodes`, zero-sized without it)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
 
-The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 3; `fingerprint`, the
+The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 4; `fingerprint`, the
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
 and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
 
 `load_cache` reads tensors and JSON only (nothing is executed) and checks the whole file against the model's patch
 from its header before it reads a tensor; it raises `PatchKVError` naming what differs (what it found, what the
-patch holds) unless: the entry is there at version 3 (2, written before the near regions existed, or 1, before the
-salient regions too: read with none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
+patch holds) unless: the entry is there at version 4 (3, written before int8 salient copies existed: its copies
+exact; 2, before the near regions too; 1, before the salient regions too: read with none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
 layer holds all its regions (or none does, for an empty cache) and all have seen the same number of tokens, which is
 the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
 and those are what the layer's patch holds: exact regions in the patch's dtype `[batch, kv_heads, n, head_dim]`, the
-middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient indices int32 and scores float32, one
+middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient copies in the
+patch's dtype (or int8 with 2 scales), salient indices int32 and scores float32, one
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
 sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
 in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
@@ -66,12 +69,12 @@ from .errors import PatchKVError
 from .lossless import InflateError, check_compress, deflate, inflate
 
 FORMAT = "patchkv_cache"
-VERSION = 3
-#: versions load_cache reads: 2 has no near regions, 1 no salient regions either
-READABLE = (1, 2, 3)
+VERSION = 4
+#: versions load_cache reads: 3 has no salient scales (exact copies), 2 no near regions either, 1 no salient regions
+READABLE = (1, 2, 3, 4)
 ENCODINGS = ("raw", "deflate")
 #: the dtypes a region may be stored in, by their names in the metadata and in the safetensors header
-_SAFETENSORS = {torch.uint8: "U8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
+_SAFETENSORS = {torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
                 torch.bfloat16: "BF16", torch.float64: "F64"}
 _DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS}
 #: a file's tensors by name: (shape, safetensors dtype), as its header declares them
@@ -233,7 +236,8 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
     least the last `sliding_window - 1` in a sliding one), exact copies of middle tokens only with a salience
     method. Returns the tensor names."""
     regions = entry["regions"]
-    missing = {3: (), 2: NEAR, 1: (*NEAR, *SALIENT)}[version]  # regions a file of that version was written without
+    missing = {4: (), 3: ("salient_scale",), 2: (*NEAR, "salient_scale"), 1: (*NEAR, *SALIENT)}[version]  # regions
+    # a file of that version was written without
     expected = tuple(r for r in REGIONS if r not in missing)
     if set(regions) != set(expected):
         raise _damaged(path, f"layer {i} holds regions {sorted(regions)}, expected {list(expected)}")
@@ -265,12 +269,17 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
     exact = {kind: (dtype, (batch, heads, getattr(lp, kind).basis.head_dim), f"exact {kind}")
              for kind in ("keys", "values")}
     patterns = {f"{region}_{kind}": exact[kind] for region in ("sink", "recent", "salient") for kind in exact}
+    int8 = layer.salience is not None and layer.salience.bits == 8
+    if int8:
+        for kind in ("keys", "values"):
+            patterns[f"salient_{kind}"] = (torch.int8, exact[kind][1], f"int8 copies of {kind}")
     for kind in ("keys", "values"):
         for region, codec in (("latent", getattr(lp, kind)), ("near", getattr(lp, f"near_{kind}"))):
             patterns[f"{region}_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width),
                                             f"the {kind}' {codec.describe()}")
     patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient coded indices")
     patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
+    patterns["salient_scale"] = (torch.float32, (batch, heads, 2 if int8 else 0), "the int8 copies' scales")
     return patterns
 
 
@@ -318,6 +327,9 @@ def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, tor
     (middle, then near); empty ones for a version 1 file."""
     if "salient_keys" not in held:
         return no_salient(held["sink_keys"], held["sink_values"])
+    if "salient_scale" not in held:  # version 3: exact copies
+        held["salient_scale"] = held["salient_index"].new_zeros((*held["salient_index"].shape[:3], 0),
+                                                                dtype=torch.float32)
     index = held["salient_index"]
     coded = held["latent_keys"].shape[2] + (held["near_keys"].shape[2] if "near_keys" in held else 0)
     if index.numel() and not (0 <= int(index.min()) and int(index.max()) < coded):

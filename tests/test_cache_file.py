@@ -34,8 +34,9 @@ def continued(model, cache, ids):
 
 @pytest.mark.parametrize("compress", ["deflate", None])
 @pytest.mark.parametrize("methods", [[patchkv.SinksWindow(2, 4), patchkv.Quantized(24)], [patchkv.SinksWindow(2, 4)],
-                                     [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.CodeError(0.2)]],
-                         ids=["codes", "lowrank", "salient"])
+                                     [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.CodeError(0.2)],
+                                     [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.Novelty(0.2, bits=8)]],
+                         ids=["codes", "lowrank", "salient", "salient-int8"])
 def test_a_saved_cache_continues_exactly_as_the_one_it_was_saved_from(tmp_path, setup, compress, methods):
     model, artifact = setup
     ids, more = calibration_ids(2, 40, seed=5), calibration_ids(2, 6, seed=6)
@@ -110,11 +111,12 @@ def test_salient_regions_are_checked_and_a_version_1_file_loads_with_none(tmp_pa
                   metadata={FORMAT: json.dumps(meta)})
         with pytest.raises(patchkv.PatchKVError, match="layer 1's salient regions"):
             load_cache(model, tmp_path / "far.safetensors")
-    with patchkv.patched(model, artifact, methods[:2]):  # written before near (version 2) and salient (1) regions
+    with patchkv.patched(model, artifact, methods[:2]):  # written before salient scales (version 3), near regions (2)
+        # and salient regions (1)
         saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "v3.safetensors")
         with safe_open(str(saved.path), framework="pt") as f:
             meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
-        for version, absent in ((2, ("near_",)), (1, ("near_", "salient_"))):
+        for version, absent in ((3, ("salient_scale",)), (2, ("near_", "salient_scale")), (1, ("near_", "salient_"))):
             old = json.loads(json.dumps(meta))
             old["format_version"] = version
             for layer in old["layers"]:
