@@ -59,6 +59,8 @@ def _coded(ratio: float, name: str, note: str, mode: str = "pre_rope", basis: st
 
 #: the salient fraction the suite's salience configs keep exact per KV head (paid for from the same budget)
 SALIENT_FRACTION = 1 / 128
+#: the fraction kept as int8 copies ("-int8" configs): twice the tokens, for about the bytes of SALIENT_FRACTION exact
+INT8_FRACTION = 1 / 64
 
 
 def _salient(ratio: int, scorer: type) -> Config:
@@ -70,10 +72,12 @@ def _salient(ratio: int, scorer: type) -> Config:
 
 def _near(ratio: int, basis: str = "head", salience=None) -> Config:
     """`ratio` with near codes (`NearCodes`' defaults) from the same bytes, on per-head or layer bases, and a salience
-    method's exact tokens beside them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty"."""
-    near, layer, kept = patchkv.NearCodes(), "-layer" if basis == "layer" else "", f"-{salience.name}" if salience else ""
+    method's copies beside them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", and with
+    int8 copies "16x-near-novelty-int8"."""
+    near, layer = patchkv.NearCodes(), "-layer" if basis == "layer" else ""
+    kept = f"-{salience.name}{'-int8' if salience.bits == 8 else ''}" if salience else ""
     note = (f"global pre-RoPE codes{' on layer bases' if layer else ''} + {near.spec()}"
-            f"{f' + {salience.spec()} exact' if salience else ''}, {ratio}x vs bf16")
+            f"{f' + {salience.spec()} kept' if salience else ''}, {ratio}x vs bf16")
     return _coded(ratio, f"{ratio}x{layer}-near{kept}", note, basis=basis, salience=salience, near=near,
                   family=f"patchkv{layer}+near{kept.replace('-', '+')}")
 
@@ -90,6 +94,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
                                                                        patchkv.KeyNorm, patchkv.AttentionMass)),
     *(_near(ratio, basis) for basis in ("head", "layer") for ratio in (8, 16, 32)),
     *(_near(ratio, basis, patchkv.Novelty(SALIENT_FRACTION)) for basis in ("head", "layer") for ratio in (16, 32)),
+    *(_near(ratio, basis, patchkv.Novelty(INT8_FRACTION, bits=8)) for basis in ("head", "layer") for ratio in (16, 32)),
 )}
 
 
