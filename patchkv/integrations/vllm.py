@@ -44,6 +44,7 @@ stored.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,6 +182,17 @@ def build_codec(vllm_config: VllmConfig, settings: Settings) -> BlockCodec:
                                   prefix_tokens=settings.prefix_tokens, basis=settings.basis)
 
 
+def store_root(vllm_config: VllmConfig, codec: BlockCodec) -> bytes:
+    """What a stored block's key chains from: the codec's fingerprint, the served model and its rotary embedding (as
+    the engine runs it, `hf_overrides` included), so that an engine turning keys otherwise never reads the blocks
+    another one stored (their exact sinks, and post-RoPE codes, hold keys turned by the writer's RoPE)."""
+    config = vllm_config.model_config.hf_config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    identity = json.dumps([str(vllm_config.model_config.model), rope, getattr(config, "max_position_embeddings", None)],
+                          sort_keys=True, default=str)
+    return hashlib.blake2b(codec.fingerprint + identity.encode(), digest_size=16).digest()
+
+
 @dataclass(frozen=True)
 class BlockJob:
     """One block to save or load: its key, its id in vLLM's paged cache, the position of its first token."""
@@ -229,8 +241,7 @@ class PatchKVConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         #: blocks at the end of a hit that vLLM computes instead of loading
         self.recompute_blocks = self.settings.recompute_blocks(self.block_size)
-        model = str(vllm_config.model_config.model).encode()
-        self.root = hashlib.blake2b(self.codec.fingerprint + model, digest_size=16).digest()
+        self.root = store_root(vllm_config, self.codec)
         #: the scheduler's index (sizes only) or the worker's bytes, within the same budgets either way
         self.store: PrefixStore = self.settings.store(sizes_only=role == KVConnectorRole.SCHEDULER)
         # scheduler side

@@ -10,7 +10,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from patchkv.block_codec import Rotations
-from patchkv.integrations.vllm import Settings, build_codec
+from patchkv.integrations.vllm import Settings, build_codec, store_root
 
 
 @pytest.mark.parametrize("factor", [4.0, 3.0])
@@ -37,3 +37,20 @@ def test_the_codec_rotates_keys_as_the_engine_does(factor):
         torch.testing.assert_close(codec.rotations.unrotate(layer, rotated, positions), keys, **close)
     unscaled = Rotations.from_config(AutoConfig.from_pretrained(SMOLLM2)).rotate(0, keys, positions)
     assert (unscaled - rotated).abs().max() > 1  # the folder's own RoPE would turn them elsewhere
+
+
+def test_blocks_stored_under_one_rope_are_not_read_under_another():
+    """The store's root (what every block key chains from) names the engine's RoPE: the same model served with its
+    RoPE scaled reads none of the blocks stored without, and the same settings give the same root."""
+    if not SMOLLM2.is_dir():
+        pytest.skip(f"{SMOLLM2} is missing: bash scripts/setup.sh writes it")
+    rope = {**AutoConfig.from_pretrained(SMOLLM2).rope_parameters, "rope_type": "linear", "factor": 4.0}
+    settings = Settings(str(ARTIFACT), "8x")
+
+    def root(**overrides):
+        config = EngineArgs(model=str(SMOLLM2), dtype="bfloat16", enforce_eager=True, block_size=BLOCK,
+                            **overrides).create_engine_config()
+        return store_root(config, build_codec(config, settings))
+
+    plain = root()
+    assert plain == root() != root(max_model_len=16 * 1024, hf_overrides={"rope_parameters": rope})
