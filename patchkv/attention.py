@@ -3,7 +3,7 @@
 It mirrors `LlamaAttention.forward` in `transformers` with everything architecture-specific asked of the
 adapter, and these changes:
 
-1. q, k, v come out of the adapter un-rotated; the mode puts them in cache space (`patchkv.modes`);
+1. q, k, v come out of the adapter un-rotated; the mode puts them in cache space (`patchkv.key_space`);
 2. the layer of the `LatentCache` takes the new tokens exact at their true positions (`update_latent`);
 3. a forward of several queries reads the visible tokens dense, the middle rebuilt from what the cache stores
    (keys rotated by their true positions in pre-RoPE mode), and runs the model's own attention function
@@ -34,12 +34,12 @@ from transformers.cache_utils import Cache
 
 from . import heap
 from .cache import LatentCache, LatentLayer, check_cache
-from .context import LayerPatch
 from .errors import PatchKVError
 from .kernels import ops as kernels
+from .key_space import grouped_scores
 from .methods import Observation
-from .modes import grouped_scores
 from .operands import dense
+from .patch import LayerPatch
 from .visible import AttentionLayer, Visible
 
 
@@ -183,8 +183,8 @@ def decode_attention(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch
     # the exact tokens (sinks, top-k's chosen or the salient ones, window), as attention reads them
     keys = [mode.exact_keys(lp, seen.sink_keys.float(), seen.sink_positions),
             chosen[0] if chosen is not None else None,
-            mode.exact_keys(lp, seen.recent_keys.float(), seen.recent_positions)]
-    values = [seen.sink_values.float(), chosen[1].float() if chosen is not None else None, seen.recent_values.float()]
+            mode.exact_keys(lp, seen.window_keys.float(), seen.window_positions)]
+    values = [seen.sink_values.float(), chosen[1].float() if chosen is not None else None, seen.window_values.float()]
     keys, values = (torch.cat([x for x in xs if x is not None], dim=2) for xs in (keys, values))
     scores = grouped_scores(qg, keys).float() * scaling  # [batch, kv_heads, groups, exact]
     bias = None  # the coded columns' additive mask: [batch, coded], or [batch, kv_heads, coded] per KV head
@@ -234,7 +234,7 @@ def _coded_bias(m: torch.Tensor, start: int, n: int, per_head: bool) -> tuple[to
     n]`: each KV head's query heads must agree."""
     columns = m[..., start:start + n]
     if per_head and not bool((columns == columns[:, :, :1]).all()):
-        raise PatchKVError("a decode step over the latent middle takes one mask per KV head; this mask differs between "
+        raise PatchKVError("a decode step over the middle takes one mask per KV head; this mask differs between "
                            "query heads that share a KV head.")
     return columns, (columns[:, 0, 0] if not per_head else columns[:, :, 0]).contiguous()
 
@@ -247,7 +247,7 @@ def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | 
     and the mask cut to sinks, chosen tokens and window."""
     mode = lp.patch.mode
     codecs = lp.keys, lp.values
-    ns, nm, nr = seen.sink_keys.shape[2], seen.middle_len, seen.recent_keys.shape[2]
+    ns, nm, nr = seen.sink_keys.shape[2], seen.middle_len, seen.window_keys.shape[2]
     bias = None if mask is None else _additive(mask)[:, :, -1, ns:ns + nm]
     chosen = lp.patch.plan.selector.choose(
         codecs[0], seen.middle_keys, lambda coeffs: mode.approximate_scores(lp, q, coeffs, seen.middle_positions),

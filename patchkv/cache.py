@@ -11,6 +11,9 @@ pre-RoPE mode, rotated in post-RoPE mode):
     salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
     salient_scale                [batch, kv_heads, s, 2 or 0]          int8 copies' key and value scales (float32)
 
+These are the stored names (`patchkv.cache_file` writes them): `latent_*` hold the middle, `recent_*` the window
+(the regions' words are sinks, middle, near and window; the stored names stay as cache files hold them).
+
 Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
 `near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
 older ones move on into the middle, coded again at its rate (decoded, then encoded). A plan with a `Salience` method keeps,
@@ -22,7 +25,7 @@ window of `window` tokens before them.
 
 The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
 
-- `update(key_states, value_states, {"positions": ...})` adds the new tokens to the recent region (the first
+- `update(key_states, value_states, {"positions": ...})` adds the new tokens to the window (the first
   ones fill the sinks) and returns the keys and values attention reads, `[batch, kv_heads, n, head_dim]`:
   exact regions as they are, the middle rebuilt from what is stored (and, pre-RoPE, every key rotated by its
   true position), in the dtype of the new keys (the model's), assembled by `patchkv.operands.dense`;
@@ -56,11 +59,11 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .compat import init_cache_layer
-from .context import LayerPatch
 from .errors import PatchKVError
-from .nbytes import storage_nbytes
 from .methods import Observation, Salience
+from .nbytes import storage_nbytes
 from .operands import dense, unpatched
+from .patch import LayerPatch
 from .visible import Visible
 
 #: the middle's buffer grows by this many tokens at a time
@@ -146,7 +149,7 @@ class LatentLayer(CacheLayerMixin):
     # ----- writing ----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`, exact (the
-        first tokens seen fill the sinks, the others join the recent region until `after_attention`)."""
+        first tokens seen fill the sinks, the others join the window until `after_attention`)."""
         if self.is_initialized and self.tensors["recent_keys"].dtype != keys.dtype:
             raise PatchKVError(f"this cache holds {self.tensors['recent_keys'].dtype} tensors and the model now "
                                f"computes in {keys.dtype} (its dtype changed after the cache was written); start a "
@@ -305,11 +308,11 @@ class LatentLayer(CacheLayerMixin):
             if self.tensors else 0
 
     def visible(self, query_len: int) -> Visible:
-        """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and recent region
+        """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and window
         (the window before this forward and its own tokens) with their true positions; for a sliding layer, the
         last `window - 1 + query_len` tokens."""
         kept = self.kept
-        if self.is_sliding:  # the oldest beyond the window go (the recent region holds this forward's tokens)
+        if self.is_sliding:  # the oldest beyond the window go (the window holds this forward's tokens)
             kept = min(kept, self.sliding_window - 1 + query_len)
         return self._held(kept)
 
@@ -322,9 +325,9 @@ class LatentLayer(CacheLayerMixin):
                 for kind in ("keys", "values"):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
         ns, nn, nr = t["sink_keys"].shape[2], t["near_keys"].shape[2], t["recent_keys"].shape[2]
-        sink_pos, middle_pos, near_pos, recent_pos = self._positions(kept).split([ns, kept - ns - nn - nr, nn, nr], dim=1)
+        sink_pos, middle_pos, near_pos, window_pos = self._positions(kept).split([ns, kept - ns - nn - nr, nn, nr], dim=1)
         seen = Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
-                       t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, recent_pos)
+                       t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, window_pos)
         if nn:
             seen.near_keys, seen.near_values = t["near_keys"].squeeze(1), t["near_values"].squeeze(1)
             seen.near_positions = near_pos

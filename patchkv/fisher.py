@@ -31,17 +31,17 @@ from torch import nn
 from .adapters import AttentionAdapter
 from .attention import attention_forward
 from .compat import accelerate_hook
-from .context import LayerPatch, Patch
+from .key_space import MODES
 from .methods import Observation, build_plan
-from .modes import MODES
+from .patch import LayerPatch, Patch
 from .rope import RopeTable
 from .visible import Visible
 
 
 class FisherProbe:
     """The layer the attention path reads while `FisherCapture` measures a row (`attention_forward`'s `layer`, an
-    `AttentionLayer`): every token twice, exact (where attention reads sinks) and perturbed (where it reads the recent
-    window); there is no latent middle. `deltas`: the zero perturbations of the last forward, float32 `[1, kv_heads, seq, head_dim]`
+    `AttentionLayer`): every token twice, exact (where attention reads sinks) and perturbed (where it reads the
+    window); there is no middle. `deltas`: the zero perturbations of the last forward, float32 `[1, kv_heads, seq, head_dim]`
     keys and values, in cache space."""
 
     def __init__(self) -> None:

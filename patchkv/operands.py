@@ -7,15 +7,15 @@ the middle as stored):
   several queries (`patchkv.attention`), and what `LatentLayer.update` returns (the `transformers` layer contract);
 - `unpatched`: a layer's keys or values as the unpatched model would hold them (`LatentLayer.keys` / `.values`).
 
-The layer stores and hands out what it holds; the mode (`patchkv.modes`) is read here, never by the storage.
+The layer stores and hands out what it holds; the mode (`patchkv.key_space`) is read here, never by the storage.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .context import LayerPatch
-from .modes import rebuild
+from .key_space import rebuild
+from .patch import LayerPatch
 from .visible import Visible
 
 
@@ -43,8 +43,8 @@ def dense(lp: LayerPatch, seen: Visible, dtype: torch.dtype,
         coded_keys = overlay(coded_keys, salient_keys, seen.salient_index)
         coded_values = overlay(coded_values, seen.salient_values.to(dtype), seen.salient_index)
     keys = [mode.exact_keys(lp, seen.sink_keys.to(dtype), seen.sink_positions), coded_keys,
-            mode.exact_keys(lp, seen.recent_keys.to(dtype), seen.recent_positions)]
-    values = [seen.sink_values.to(dtype), coded_values, seen.recent_values.to(dtype)]
+            mode.exact_keys(lp, seen.window_keys.to(dtype), seen.window_positions)]
+    values = [seen.sink_values.to(dtype), coded_values, seen.window_values.to(dtype)]
     return _joined(keys), _joined(values)
 
 
@@ -52,7 +52,7 @@ def unpatched(lp: LayerPatch, held: Visible, kind: str) -> torch.Tensor:
     """The tokens `held` (a layer's, as `LatentLayer` holds them) as the unpatched model would cache them: keys
     (`kind` "keys", rotated) or values ("values") `[batch, kv_heads, n, head_dim]` in the exact regions' dtype, the
     middle reconstructed from what is stored and each KV head's salient tokens written in place of their codes."""
-    sinks, middle, recent = (getattr(held, f"{region}_{kind}") for region in ("sink", "middle", "recent"))
+    sinks, middle, window = (getattr(held, f"{region}_{kind}") for region in ("sink", "middle", "window"))
     coded, positions = [rebuild(getattr(lp, kind), middle, sinks.dtype)], [held.sink_positions, held.middle_positions]
     if held.near_len:
         coded.append(rebuild(getattr(lp, f"near_{kind}"), getattr(held, f"near_{kind}"), sinks.dtype))
@@ -60,9 +60,9 @@ def unpatched(lp: LayerPatch, held: Visible, kind: str) -> torch.Tensor:
     coded = _joined(coded)
     if held.salient_len:
         coded = overlay(coded, getattr(held, f"salient_{kind}"), held.salient_index)
-    full = torch.cat([sinks, coded, recent], dim=2)
+    full = torch.cat([sinks, coded, window], dim=2)
     if kind == "keys":
-        positions = torch.cat([*positions, held.recent_positions], dim=1)
+        positions = torch.cat([*positions, held.window_positions], dim=1)
         full = lp.patch.mode.cached_keys_as_rotated(lp, full, positions)
     return full
 

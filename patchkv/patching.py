@@ -32,10 +32,10 @@ from .attention import LatentForward
 from .cache import LatentCache, check_cache
 from .compat import (accelerate_hook, attn_implementation, installed_cache_preparer, is_user_defined, prepare_cache,
                      remove_pre_hook, set_cache_preparer)
-from .context import LayerPatch, Patch
 from .errors import AlreadyPatchedError, PatchKVError
+from .key_space import MODES
 from .methods import Method, build_plan, from_options
-from .modes import MODES
+from .patch import LayerPatch, Patch
 from .rope import RopeTable, length_dependent
 
 logger = logging.get_logger(__name__)

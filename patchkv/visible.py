@@ -15,7 +15,7 @@ from .methods import Observation
 class Visible:
     """What one attention step reads, in position order (sinks, middle, near, window).
 
-    sink_*/recent_*: exact `[batch, kv_heads, n, head_dim]` in cache space; middle_keys/middle_values: the middle
+    sink_*/window_*: exact `[batch, kv_heads, n, head_dim]` in cache space; middle_keys/middle_values: the middle
     as stored, `[batch, m, width]` (fixed-rate codes or packed floats, read through `patchkv.kernels`);
     near_keys/near_values: the newest coded tokens at the near rate (`patchkv.methods.NearCodes`), `[batch, n,
     near width]` as stored, None where the plan keeps none; *_positions: true positions `[batch, n]`. salient_*: the
@@ -28,13 +28,13 @@ class Visible:
 
     sink_keys: torch.Tensor
     sink_values: torch.Tensor
-    recent_keys: torch.Tensor
-    recent_values: torch.Tensor
+    window_keys: torch.Tensor
+    window_values: torch.Tensor
     middle_keys: torch.Tensor
     middle_values: torch.Tensor
     sink_positions: torch.Tensor
     middle_positions: torch.Tensor
-    recent_positions: torch.Tensor
+    window_positions: torch.Tensor
     salient_keys: torch.Tensor | None = None
     salient_values: torch.Tensor | None = None
     salient_index: torch.Tensor | None = None

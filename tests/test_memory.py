@@ -9,7 +9,7 @@ from transformers import DynamicCache, QuantizedCache
 
 import patchkv
 from patchkv.cache import PAGE
-from patchkv.context import LayerPatch
+from patchkv.patch import LayerPatch
 from patchkv.nbytes import cache_nbytes, rope_nbytes
 
 

@@ -2,9 +2,9 @@
 
 A plan says what the cache stores and how attention reads it:
 
-- `codec`: how the latent middle is stored (one per plan): `LowRank` floats or `Quantized` DP codes;
+- `codec`: how the middle is stored (one per plan): `LowRank` floats or `Quantized` DP codes;
 - `sink_tokens` / `window`: the first and the last tokens kept as exact K/V (`SinksWindow`);
-- `selector`: decode-time token selection over the latent middle (`TopK`);
+- `selector`: decode-time token selection over the middle (`TopK`);
 - `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`Salience`:
   `Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`);
 - `near`: the newest coded tokens kept at a higher rate than the rest of the middle (`NearCodes`).
@@ -24,8 +24,8 @@ import torch
 
 if TYPE_CHECKING:
     from ..artifact import Artifact
-    from ..context import LayerPatch
     from ..latent import Codec
+    from ..patch import LayerPatch
 
 
 #: how a `Salience` method's kept tokens are chosen: the same for a layer's KV heads, or each head its own

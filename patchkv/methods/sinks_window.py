@@ -3,7 +3,7 @@
     position:  0 .. sinks-1 | sinks .. T-window-1 | T-window .. T-1
     stored as: exact K/V    | latents (or codes)  | exact K/V
 
-New tokens enter the window; as they leave it they are encoded into the latent middle. On layers with a
+New tokens enter the window; as they leave it they are encoded into the middle. On layers with a
 sliding attention window (Mistral, Qwen2, Gemma 3's local layers) the whole window is stored as latents:
 there the method does not apply (`LatentCache.describe()` says so per layer).
 """

@@ -2,7 +2,7 @@
 
 Candidates are scored in the latent space from their first `rank` key components, without reconstructing
 keys (post-RoPE: the projected query against latents, exact at full rank, kernel `latent_scores`; pre-RoPE:
-per chunk of `patchkv.modes.SCORE_CHUNK` tokens, the query turned back by the rotation of the chunk's
+per chunk of `patchkv.key_space.SCORE_CHUNK` tokens, the query turned back by the rotation of the chunk's
 centre position and projected onto the basis, kernel `chunked_latent_scores`, approximate by the rotation
 between a token and its chunk's centre; the mode's `approximate_scores`). A KV head keeps the tokens that score
 best for any of its query heads (`select`); attention reconstructs (and rotates) only those and runs exactly over

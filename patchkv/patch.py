@@ -22,7 +22,7 @@ class Patch:
     """Model-wide: the adapter, mode, plan, artifact, and what `remove` must restore."""
 
     adapter: AttentionAdapter
-    mode: Any  # patchkv.modes.Mode
+    mode: Any  # patchkv.key_space.Mode
     plan: CachePlan
     artifact: Any  # patchkv.Artifact
     fingerprint: str

@@ -1,4 +1,5 @@
-"""The two ways keys enter the latent cache, one small class each, behind one interface.
+"""The key space the cache codes keys in: pre-RoPE or post-RoPE (a model's `mode`), one small class each, behind one
+interface.
 
 - `PreRoPE`: keys are projected before the rotary embedding, where they are most compressible. At attention
   time cached keys are rebuilt and rotated by their true positions (recorded by the cache).
@@ -29,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from .context import LayerPatch
 from .kernels import ops as kernels
 from .latent import Codec
+from .patch import LayerPatch
 from .rope import rotate_at
 from .visible import Visible
 
