@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from patchkv.provenance import commit, machine
-from patchkv.records import Point, change, markdown, write_csv
+from patchkv.records import SAMPLE_FIELDS, Point, Result, change, markdown, write_csv
 from patchkv.records import plot as records_plot
 
 from .suite import CONFIGS, RESULTS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
@@ -68,6 +68,11 @@ def records_path(results: Path, task: str, context: int) -> Path:
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def sample_record(result: Result, **stamp: object) -> dict:
+    """A per-sample JSONL line: the `Result`'s sample fields, then `stamp` (commit, command, machine, ...)."""
+    return {**{name: getattr(result, name) for name in SAMPLE_FIELDS}, **stamp}
 
 
 def append_record(path: Path, record: dict) -> None:
@@ -106,12 +111,11 @@ def run(args: argparse.Namespace) -> None:
                 cache = config.cache(model) if config.cache else None
                 with patchkv.patched(model, *patch) if patch else nullcontext():
                     if isinstance(task, Ruler):
-                        scored = task.run(model, tokenizer, sample, cache)
+                        scored = task.run(model, tokenizer, sample, cache, config.name)
                     else:
-                        scored = task.run(model, tokenizer, index, args.context, cache)
-                record = {"config": config.name, "task": task.name, "context": args.context, **vars(scored),
-                          **stamp, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-                append_record(path, record)
+                        scored = task.run(model, tokenizer, index, args.context, cache, config.name)
+                append_record(path, sample_record(scored, **stamp, date=datetime.datetime.now(
+                    datetime.timezone.utc).isoformat(timespec="seconds")))
                 print(f"{task.name}@{args.context} #{index} {config.name}: score {scored.score:.4g} "
                       f"({scored.kv_bytes_per_token:.0f} B/token, {scored.seconds:.1f} s) {scored.prediction[:40]!r}",
                       flush=True)
@@ -136,13 +140,14 @@ def peers(args: argparse.Namespace) -> None:
         done.add((p["method"], p["index"]))
         # a continuation's prediction carries its NLL sum over `count` tokens; an answer is scored here
         score, count = (p["nll"], p["count"]) if sample["scorer"] == "nll" else (ruler_score(sample, p["prediction"]), 1)
-        append_record(path, {"config": p["method"], "task": task.name, "context": p["context_length"],
-                             "index": p["index"], "score": score,
-                             "count": count, "kv_bytes_per_token": p["kv_bytes_per_token"], "seconds": p["seconds"],
-                             "prediction": p["prediction"], "commit": p.get("commit") or here,
-                             "dtype": p.get("dtype", "bfloat16"), "command": p.get("command") or f"evals/peers/kvpress_ruler.py --out {args.predictions} "
-                             f"(.venv-peers), scored by {command()}", **stamp, "threads": p.get("threads", 1),
-                             "date": p.get("date", ""), **({"protocol": p["protocol"]} if "protocol" in p else {})})
+        scored = Result(config=p["method"], task=task.name, context=p["context_length"], index=p["index"],
+                        score=score, count=count, kv_bytes_per_token=p["kv_bytes_per_token"],
+                        seconds=p["seconds"], prediction=p["prediction"])
+        made_by = p.get("command") or f"evals/peers/kvpress_ruler.py --out {args.predictions} (.venv-peers), scored by " \
+            f"{command()}"
+        append_record(path, sample_record(scored, commit=p.get("commit") or here, dtype=p.get("dtype", "bfloat16"),
+                                          command=made_by, **stamp, threads=p.get("threads", 1), date=p.get("date", ""),
+                                          **({"protocol": p["protocol"]} if "protocol" in p else {})))
     write_summary(args.results)
 
 

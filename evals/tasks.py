@@ -1,7 +1,8 @@
 """How the suite runs its tasks, one sample at a time: `TASKS` holds a runner for every task of the one registry
 (`patchkv.tasks.TASKS`) that is not an lm-eval one (those are `patchkv eval`'s), built from its record.
 
-A runner turns a sample index into an `Outcome` record through the configuration's cache:
+A runner turns a sample into a `patchkv.records.Result` (the record `patchkv eval` and `patchkv report` write too)
+through the configuration's cache:
 - `Perplexity` (kind `perplexity`: `ppl_prose`, `ppl_shakespeare`, `ppl_milton`): token perplexity of one held-out
   document, fed 64 tokens per forward through the cache (`patchkv.perplexity.token_nll`, the function `patchkv report`
   uses).
@@ -39,24 +40,12 @@ from torch import nn
 
 from patchkv.nbytes import cache_nbytes
 from patchkv.perplexity import token_nll
+from patchkv.records import Result
 from patchkv.tasks import TASKS as REGISTRY
 from patchkv.tasks import Task, documents
 
 ROOT = Path(__file__).resolve().parents[1]
 RULER_CACHE = ROOT / ".cache" / "ruler"
-
-
-@dataclass
-class Outcome:
-    """One sample through one configuration: `score` (RULER: in [0, 1]; perplexity: the NLL sum in nats over
-    `count` tokens), the cache's bytes per token after it, the answer decoded (RULER) and seconds taken."""
-
-    index: int
-    score: float
-    count: int
-    kv_bytes_per_token: float
-    seconds: float
-    prediction: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,14 +61,17 @@ class Perplexity(Task):
     def available(self, context: int) -> int:
         return len(self.documents())
 
-    def run(self, model: nn.Module, tokenizer: Any, index: int, context: int, cache: Any) -> Outcome:
+    def run(self, model: nn.Module, tokenizer: Any, index: int, context: int, cache: Any, config: str = "") -> Result:
+        """Document `index`'s first `context` tokens through `cache` (None: the model's own) under `config` (its
+        name): the NLL sum over the tokens scored."""
         ids = tokenizer(self.documents()[index], add_special_tokens=False)["input_ids"]
         start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         ids = torch.tensor([(start + ids)[:context]])
         began = time.perf_counter()
         scored = token_nll(model, ids, self.chunk, cache)
-        return Outcome(index, scored.nll, scored.count, cache_nbytes(scored.cache) / ids.shape[1],
-                      time.perf_counter() - began)
+        return Result(config=config, task=self.name, context=context, index=index, score=scored.nll,
+                      count=scored.count, kv_bytes_per_token=cache_nbytes(scored.cache) / ids.shape[1],
+                      seconds=time.perf_counter() - began)
 
 
 @dataclass(frozen=True)
@@ -107,7 +99,8 @@ class Ruler(Task):
         return len(path.read_text().splitlines()) if path.is_file() else 0
 
     @torch.no_grad()
-    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any) -> Outcome:
+    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any, config: str = "") -> Result:
+        """One prompt through `cache` (None: the model's own) under `config` (its name): its score in [0, 1]."""
         device = next(model.parameters()).device
         began = time.perf_counter()
         context = torch.tensor([sample["context_ids"]], device=device)
@@ -117,7 +110,9 @@ class Ruler(Task):
         logits = model(input_ids=question, cache=cache, use_cache=True).logits[:, -1]
         held = cache_nbytes(cache) / (context.shape[1] + question.shape[1])
         answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
-        return Outcome(sample["index"], ruler_score(sample, answer), 1, held, time.perf_counter() - began, answer)
+        return Result(config=config, task=self.name, context=sample["context_length"], index=sample["index"],
+                      score=ruler_score(sample, answer), kv_bytes_per_token=held, seconds=time.perf_counter() - began,
+                      prediction=answer)
 
 
 @torch.no_grad()
@@ -214,7 +209,7 @@ class Continuation(Ruler):
         return out
 
     @torch.no_grad()
-    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any) -> Outcome:
+    def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any, config: str = "") -> Result:
         device = next(model.parameters()).device
         began = time.perf_counter()
         context = torch.tensor([sample["context_ids"]], device=device)
@@ -225,7 +220,9 @@ class Continuation(Ruler):
         later = model(input_ids=continuation, cache=cache, use_cache=True).logits[:, :-1]
         logprobs = torch.cat([out.logits[:, -1:], later], dim=1).float().log_softmax(-1)
         nll = -logprobs.gather(-1, continuation.unsqueeze(-1)).sum().item()
-        return Outcome(sample["index"], nll, continuation.shape[1], held, time.perf_counter() - began)
+        return Result(config=config, task=self.name, context=sample["context_length"], index=sample["index"],
+                      score=nll, count=continuation.shape[1], kv_bytes_per_token=held,
+                      seconds=time.perf_counter() - began)
 
 
 #: (the sentence hidden in the text, the question that asks for it); {n} is the number

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,10 @@ from torch import nn
 from . import records
 from .allocation import full_kv_bytes_per_token
 from .artifact import Artifact
+from .configs import Config, unpatched
 from .methods import Method
 from .patching import patched
-from .records import change, difference, markdown
+from .records import Result, change, difference, markdown
 from .tasks import DEFAULT_TASKS, TASKS, lm_eval_configs
 
 
@@ -38,43 +38,34 @@ def run_tasks(model: nn.Module, tokenizer: Any, tasks: list[str] | tuple[str, ..
             for task, metrics in out["results"].items()}
 
 
-@dataclass
-class EvalRow:
-    """One configuration: the unpatched baseline (`artifact` None) or an artifact at its ranks."""
-
-    label: str
-    mode: str
-    budget: str
-    kv_bytes_per_token: float
-    compression: float
-    scores: dict[str, float] = field(default_factory=dict)
-
-
 def evaluate(model: nn.Module, tokenizer: Any, artifacts: list[Artifact], tasks=DEFAULT_TASKS,
              limit: int | None = None, chunk: int | None = None, methods: Sequence[Method] = (),
-             bytes_context: int = 1024) -> list[EvalRow]:
+             bytes_context: int = 1024) -> list[tuple[Config, list[Result]]]:
     """Baseline first, then each artifact applied in turn with `methods` (see `patchkv.apply`); the model is
-    left unpatched. Every row is scored by lm-eval through the cache (`StreamingLM`), `chunk` tokens per
+    left unpatched. Each configuration (unpatched, or an artifact's mode at its ranks: its `mode`, and its budget as
+    its `note`) with a `Result` per task: the task's headline metric, the KV bytes per token and the compression.
+    Every configuration is scored by lm-eval through the cache (`StreamingLM`), `chunk` tokens per
     forward (None: `patchkv.streaming.default_chunk`, half the methods' exact window, at least 1; 1: every
     scored token a decode step): a forward reads its own tokens exact, so one forward per sequence would score
     a patched model as the unpatched one.
     KV bytes per token are measured on a `bytes_context`-token cache (sinks and window amortised over it)."""
     from .streaming import StreamingLM
 
-    def scores() -> dict[str, float]:
-        return _headline(run_tasks(model, tokenizer, tasks, limit, lm=StreamingLM(model, tokenizer, chunk=chunk)))
+    def results(config: str, per_token: float, compression: float) -> list[Result]:
+        scores = _headline(run_tasks(model, tokenizer, tasks, limit, lm=StreamingLM(model, tokenizer, chunk=chunk)))
+        return [Result(config=config, task=task, score=score, kv_bytes_per_token=per_token, compression=compression)
+                for task, score in scores.items()]
 
     first = artifacts[0] if artifacts else None
     full = full_kv_bytes_per_token(first) if first else 0
-    rows = [EvalRow("unpatched", "-", "-", full, 1.0, scores())]
+    rows = [(unpatched(), results("unpatched", full, 1.0))]
     for art in artifacts:
         with patched(model, art, methods) as m:
             plan = m.patchkv.plan.describe()
             per_token = measured_kv_bytes_per_token(model, bytes_context)
-            row_scores = scores()
-        budget = budget_label(art) + (f" + {plan}" if plan else "")
-        rows.append(EvalRow(f"{art.mode} {budget}", art.mode, budget, round(per_token, 1),
-                            full_kv_bytes_per_token(art) / per_token, row_scores))
+            budget = budget_label(art) + (f" + {plan}" if plan else "")
+            config = Config(f"{art.mode} {budget}", "patchkv", art.mode, mode=art.mode, note=budget)
+            rows.append((config, results(config.name, round(per_token, 1), full_kv_bytes_per_token(art) / per_token)))
     return rows
 
 
@@ -105,46 +96,60 @@ def _headline(results: dict[str, dict[str, float]]) -> dict[str, float]:
     return {task: metrics[TASKS[task].metric] for task, metrics in results.items()}
 
 
-def format_table(rows: list[EvalRow]) -> str:
+def _by_task(results: list[Result]) -> dict[str, Result]:
+    return {r.task: r for r in results}
+
+
+def _columns(config: Config) -> list[str]:
+    """A configuration's name, mode and budget ("-" for the unpatched model)."""
+    return [config.name, config.mode or "-", config.note or "-"]
+
+
+def format_table(rows: list[tuple[Config, list[Result]]]) -> str:
     """A markdown table: one row per configuration, each task's score and its delta vs the baseline."""
-    base = rows[0].scores
+    base = _by_task(rows[0][1])
     tasks = list(base)
     head = ["config", "mode", "budget", "KV bytes/token", "compression"]
     head += [f"{t.removeprefix('patchkv_')} ({TASKS[t].metric})" for t in tasks]
     lines = []
-    for row in rows:
-        cells = [row.label, row.mode, row.budget, str(row.kv_bytes_per_token), f"{row.compression:.2f}x"]
+    for config, results in rows:
+        got = _by_task(results)
+        first = results[0]
+        cells = [*_columns(config), str(first.kv_bytes_per_token), f"{first.compression:.2f}x"]
         for t in tasks:
-            value = row.scores.get(t, float("nan"))
-            if row is rows[0]:
+            value = got[t].score if t in got else float("nan")
+            if results is rows[0][1]:
                 delta = ""
             elif TASKS[t].higher_is_better:  # accuracies: absolute difference
-                delta = difference(value, base[t])
+                delta = difference(value, base[t].score)
             else:  # perplexities: relative change
-                delta = change(value, base[t], 2)
+                delta = change(value, base[t].score, 2)
             cells.append(f"{value:.4f}{delta}")
         lines.append(cells)
     return markdown(head, lines)
 
 
-def write_csv(rows: list[EvalRow], path: str | Path) -> None:
+def write_csv(rows: list[tuple[Config, list[Result]]], path: str | Path) -> None:
     """One line per configuration: its bytes, compression, each task's score and its difference from the baseline."""
-    tasks = list(rows[0].scores)
+    base = _by_task(rows[0][1])
+    tasks = list(base)
+    lines = []
+    for config, results in rows:
+        got, first = _by_task(results), results[0]
+        lines.append([*_columns(config), first.kv_bytes_per_token, f"{first.compression:.4f}",
+                      *[f"{got[t].score:.6f}" for t in tasks], *[f"{got[t].score - base[t].score:.6f}" for t in tasks]])
     records.write_csv(Path(path), ["config", "mode", "budget", "kv_bytes_per_token", "compression", *tasks,
-                                   *[f"delta_{t}" for t in tasks]],
-                      [[row.label, row.mode, row.budget, row.kv_bytes_per_token, f"{row.compression:.4f}",
-                        *[f"{row.scores[t]:.6f}" for t in tasks],
-                        *[f"{row.scores[t] - rows[0].scores[t]:.6f}" for t in tasks]] for row in rows])
+                                   *[f"delta_{t}" for t in tasks]], lines)
 
 
-def plot(rows: list[EvalRow], path: str | Path) -> None:
+def plot(rows: list[tuple[Config, list[Result]]], path: str | Path) -> None:
     """Each task's score vs compression ratio, one line per mode, the baseline as a dashed line."""
-    tasks = list(rows[0].scores)
-    points = [records.Point(t, r.mode.replace("_", "-"), r.compression, r.scores[t], r.budget)
-              for r in rows[1:] for t in tasks]
+    base = _by_task(rows[0][1])
+    points = [records.Point(r.task, config.family.replace("_", "-"), r.compression, r.score, config.note)
+              for config, results in rows[1:] for r in results]
     titles = {}
-    for t in tasks:
+    for t in base:
         titles[t] = (f"{t.removeprefix('patchkv_')}: {TASKS[t].metric} "
                      f"({'higher' if TASKS[t].higher_is_better else 'lower'} is better)")
-    records.plot(points, Path(path), xlabel="KV compression (x)", ylabel="score", baselines=rows[0].scores,
-                 titles=titles)
+    records.plot(points, Path(path), xlabel="KV compression (x)", ylabel="score",
+                 baselines={t: r.score for t, r in base.items()}, titles=titles)

@@ -1,6 +1,7 @@
 """Results as a reader sees them, one way for every measurement (`patchkv report`, `patchkv eval`, `python -m evals`):
-a markdown table, a CSV, changes against a baseline written alike, and a plot of points in panels with one line per
-method family, a log axis where the values span a decade or more, and labels moved apart so none covers another.
+one record of what was measured (`Result`: a configuration on a task, or on one sample of it), a markdown table, a
+CSV, changes against a baseline written alike, and a plot of points in panels with one line per method family, a log
+axis where the values span a decade or more, and labels moved apart so none covers another.
 """
 
 from __future__ import annotations
@@ -11,6 +12,34 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(kw_only=True)
+class Result:
+    """One configuration (`config`, its name) measured on one task (`task`: a task's name, or a text's), at `context`
+    tokens where the task has one (0: none): `score` is the task's headline metric (perplexity, an accuracy), or for
+    one sample of a perplexity task (`index`) the sum of next-token negative log-likelihoods in nats over `count`
+    tokens, so samples add up; `count` is what the score is over (tokens, samples, needles tried). The KV bytes per
+    token its cache held after it and their compression against the 16-bit cache (nan where not measured); for a
+    sample, the seconds it took; `prediction`, the text it decoded (an answer, a continuation).
+
+    The fields from `config` to `prediction` are, in order, those of a suite's per-sample record
+    (`python -m evals run`'s JSONL lines, `SAMPLE_FIELDS`)."""
+
+    config: str
+    task: str
+    context: int = 0
+    index: int = 0
+    score: float
+    count: int = 1
+    kv_bytes_per_token: float
+    seconds: float = 0.0
+    prediction: str = ""
+    compression: float = math.nan
+
+
+#: what a per-sample record of the suite holds of a `Result`, in the order its JSONL lines have always held them
+SAMPLE_FIELDS = ("config", "task", "context", "index", "score", "count", "kv_bytes_per_token", "seconds", "prediction")
 
 
 def markdown(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

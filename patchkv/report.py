@@ -22,7 +22,7 @@ import json
 import math
 import random
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from .configs import Config, budget, quantized_cache, unpatched
 from .nbytes import cache_nbytes
 from .patching import patched
 from .perplexity import token_nll
-from .records import Point, change, markdown, plot, write_csv
+from .records import Point, Result, change, markdown, plot, write_csv
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "\n\nWhat is the special magic number mentioned in the text above? The special magic number is"
@@ -43,16 +43,26 @@ QUESTION = "\n\nWhat is the special magic number mentioned in the text above? Th
 
 @dataclass
 class Row:
-    """One configuration's results."""
+    """One configuration (`config`, its `note` saying what ran, or why it did not) and what was measured of it: a
+    `patchkv.records.Result` per text (its perplexity, the KV bytes per token after it and their compression; the
+    first text's also holds the greedy continuation) and one for the needle check (`score` found of `count` tried)."""
 
-    name: str
-    family: str
-    bytes_per_token: float = math.nan
-    compression: float = math.nan
-    perplexity: dict[str, float] = field(default_factory=dict)
-    needle: tuple[int, int] = (0, 0)  # found, tried
-    continuation: str = ""
-    note: str = ""
+    config: Config
+    texts: list[Result] = field(default_factory=list)
+    needle: Result | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def note(self) -> str:
+        return self.config.note
+
+    @property
+    def perplexity(self) -> dict[str, float]:
+        """{text: perplexity}; empty for a configuration that did not run."""
+        return {r.task: r.score for r in self.texts}
 
 
 def default_text() -> tuple[str, str]:
@@ -142,7 +152,7 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
     for config, patch in planned:
         name = config.name
         note = config.unavailable(model) or (config.spec(artifact, context) if patch else "")
-        row = Row(name, config.family, note=note)
+        row = Row(replace(config, note=note))
         rows.append(row)
         if row.note.startswith("not run"):
             progress(f"{name}: {row.note}")
@@ -153,18 +163,20 @@ def report(model: nn.Module, tokenizer: Any, artifact: Artifact, texts: list[tup
 
             for label, ids in encoded:
                 scored = token_nll(model, ids, chunk, new_cache())
-                row.perplexity[label] = scored.perplexity
-                if label == encoded[0][0]:
-                    row.bytes_per_token = cache_nbytes(scored.cache) / ids.shape[1]
-                    row.compression = sixteen_bit_bytes(artifact, ids.shape[1]) / row.bytes_per_token
-                    row.continuation = tokenizer.decode(_greedy(model, scored.last_logits, scored.cache, continuation))
+                held = cache_nbytes(scored.cache) / ids.shape[1]
+                first = label == encoded[0][0]
+                said = tokenizer.decode(_greedy(model, scored.last_logits, scored.cache, continuation)) if first else ""
+                row.texts.append(Result(config=name, task=label, context=ids.shape[1], score=scored.perplexity,
+                                        count=scored.count, kv_bytes_per_token=held, prediction=said,
+                                        compression=sixteen_bit_bytes(artifact, ids.shape[1]) / held))
             found = 0
             for depth, number in zip(depths, numbers):
                 scored = token_nll(model, _haystack(tokenizer, texts[0][1], context, depth, number), chunk, new_cache())
                 answer = tokenizer.decode(_greedy(model, scored.last_logits, scored.cache, 10))
                 found += str(number) in answer.replace(" ", "").replace(",", "")
-            row.needle = (found, len(depths))
-        progress(f"{name}: {row.bytes_per_token:.0f} bytes/token, " + ", ".join(
+            row.needle = Result(config=name, task="needle", context=context, score=found, count=len(depths),
+                                kv_bytes_per_token=math.nan)
+        progress(f"{name}: {row.texts[0].kv_bytes_per_token:.0f} bytes/token, " + ", ".join(
             f"{k} {v:.3f}" for k, v in row.perplexity.items()) + f", needle {found}/{len(depths)}")
     return rows
 
@@ -179,9 +191,10 @@ def table(rows: list[Row]) -> str:
         if not r.perplexity:
             lines.append([r.name, "—", "—", *("—" for _ in texts), "—", r.note])
             continue
-        cells = [r.name, f"{r.bytes_per_token:.0f}", f"{r.compression:.2f}x"]
-        cells += [f"{r.perplexity[t]:.3f}" + ("" if r is rows[0] else change(r.perplexity[t], base[t])) for t in texts]
-        cells += [f"{r.needle[0]}/{r.needle[1]}", r.continuation.replace("\n", " ").replace("|", "/")[:80]]
+        first, ppl = r.texts[0], r.perplexity
+        cells = [r.name, f"{first.kv_bytes_per_token:.0f}", f"{first.compression:.2f}x"]
+        cells += [f"{ppl[t]:.3f}" + ("" if r is rows[0] else change(ppl[t], base[t])) for t in texts]
+        cells += [f"{r.needle.score}/{r.needle.count}", first.prediction.replace("\n", " ").replace("|", "/")[:80]]
         lines.append(cells)
     return markdown(head, lines)
 
@@ -194,14 +207,25 @@ def write(rows: list[Row], out: Path, meta: dict[str, Any]) -> list[Path]:
                   + "\n\n" + "\n".join(f"- {r.name}: {r.note}" for r in rows if r.note) + "\n")
     write_csv(out / "report.csv", ["configuration", "kv_bytes_per_token", "compression", "text", "perplexity",
                                    "needle_found", "needle_tried", "note"],
-              [[r.name, round(r.bytes_per_token, 1), round(r.compression, 3), t, round(ppl, 4), r.needle[0],
-                r.needle[1], r.note] for r in rows for t, ppl in (r.perplexity or {"": math.nan}).items()])
+              [[r.name, *_held(r), t, round(ppl, 4), *_needle(r), r.note]
+               for r in rows for t, ppl in (r.perplexity or {"": math.nan}).items()])
     base = rows[0].perplexity
-    points = [Point(t, r.family, r.compression, r.perplexity[t], _short(r.name) + change(r.perplexity[t], base[t]))
-              for r in rows[1:] for t in base if t in r.perplexity]
+    points = [Point(t, r.config.family, r.texts[0].compression, r.perplexity[t],
+                    _short(r.name) + change(r.perplexity[t], base[t])) for r in rows[1:] for t in base if t in r.perplexity]
     png = plot(points, out / "report.png", xlabel="KV compression vs 16-bit cache (x)", ylabel="token perplexity",
                baselines=base)
     return [md, out / "report.csv", *([png] if png else [])]
+
+
+def _held(row: Row) -> tuple[float, float]:
+    """A row's KV bytes per token and compression as report.csv writes them: after the first text (nan: not run)."""
+    first = row.texts[0] if row.texts else Result(config=row.name, task="", score=math.nan, kv_bytes_per_token=math.nan)
+    return round(first.kv_bytes_per_token, 1), round(first.compression, 3)
+
+
+def _needle(row: Row) -> tuple[int, int]:
+    """(found, tried) of a row's needle check; (0, 0) where it did not run."""
+    return (int(row.needle.score), row.needle.count) if row.needle else (0, 0)
 
 
 def _short(name: str) -> str:

@@ -16,6 +16,8 @@ import patchkv.evaluate
 import patchkv.report
 import patchkv.step_scales
 from patchkv import cli
+from patchkv.configs import unpatched
+from patchkv.records import Result
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "artifacts" / "reference-llama")
@@ -165,7 +167,8 @@ def test_gguf_file_is_passed_to_from_pretrained(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake(real_model))
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", fake(real_tok))
-    rows = [patchkv.evaluate.EvalRow("unpatched", "-", "-", 0, 1.0, {"patchkv_shakespeare_ppl": 1.0})]
+    rows = [(unpatched(), [Result(config="unpatched", task="patchkv_shakespeare_ppl", score=1.0, kv_bytes_per_token=0,
+                                  compression=1.0)])]
     monkeypatch.setattr(patchkv.evaluate, "evaluate", lambda *a, **k: rows)
     code, out, err = run_main(["eval", "--model", str(folder), "--gguf-file", "model.Q4.gguf",
                                "--artifact", PRE, "--tasks", "patchkv_shakespeare_ppl", "--limit", "1"], capsys)
