@@ -47,7 +47,7 @@ from torch import nn
 from .adapters import AttentionAdapter, adapter_for, attention_modules
 from .allocation import default_pool, full_kv_bytes_per_token, kv_bytes_per_token
 from .artifact import Artifact
-from .budgets import EXACT, parse_budget
+from .budgets import EXACT, most_bits, parse_budget
 from .errors import PatchKVError
 from .latent import Codec
 from .methods import CodecMethod, Quantized, parse_method
@@ -153,11 +153,7 @@ def block_bits(artifact: Artifact, ratio: float, pool: str, basis: str = "head",
         raise ValueError(f"a {ratio:g}x budget allows {allowed / tokens:.0f} bytes per token over a prefix of "
                          f"{tokens} tokens, less than {sink_tokens} exact sinks, the blocks' headers and 1 bit per KV "
                          "head take; use a smaller ratio, fewer sinks or a longer prefix_tokens.")
-    low, high = 1, artifact.head_dim * 8
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
+    return most_bits(fits, artifact.head_dim * 8)
 
 
 def block_method(artifact: Artifact, text: str, *, block_tokens: int = BLOCK_TOKENS, prefix_tokens: int = PREFIX_TOKENS,

@@ -20,6 +20,7 @@ The pool itself prices every layer alike: pricing a layer's bits by the tokens i
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from numbers import Integral
 
@@ -103,10 +104,16 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
         raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {kept} kept exact: they alone "
                          f"take {total(1):.0f} bytes per token of the {full / ratio:.0f} allowed; use a longer "
                          "context, a smaller ratio or a smaller salient fraction.")
-    low, high = 1, artifact.head_dim * 8
+    return most_bits(lambda bits: total(bits) <= full / ratio, artifact.head_dim * 8)
+
+
+def most_bits(fits: Callable[[int], bool], high: int) -> int:
+    """The most bits per KV head in [1, `high`] that `fits` (a budget test that holds for 1 bit and, once it fails,
+    fails for every larger number), by bisection."""
+    low = 1
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if total(mid) <= full / ratio else (low, mid - 1)
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low
 
 
