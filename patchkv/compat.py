@@ -1,4 +1,4 @@
-"""Every private `transformers` / `accelerate` / `torch` interface patchkv touches, in one place.
+"""Every private `transformers` / `accelerate` / `torch` / `vllm` interface patchkv touches, in one place.
 
 A new release can rename or drop any of these: `tests/test_compat.py` checks each one by name against the installed
 versions, so a break names the touchpoint instead of surfacing as a wrong result somewhere else. Nothing else in
@@ -14,7 +14,12 @@ patchkv reads a private attribute of those libraries.
 - accelerate's `_hf_hook` on a dispatched module (`pre_forward`, `execution_device`);
 - where transformers' quantized cache layers (`QuantizedLayer`: quanto, HQQ) keep their codes;
 - what `CacheLayerMixin.__init__` sets on a cache layer (a `LatentLayer`, whose `keys` and `values` are read-only
-  views, cannot run it and sets the rest through `init_cache_layer`).
+  views, cannot run it and sets the rest through `init_cache_layer`);
+- what vLLM's `KVConnectorBase_V1` keeps for its subclasses (`PatchKVConnector`): its `_kv_transfer_config` and the
+  step's metadata (`_get_connector_metadata`), checked by `tests/vllm` in vLLM's environment.
+
+`tests/test_layout.py` holds the rest of the code to it: outside this file, no private name is read that patchkv does
+not define itself.
 """
 
 from __future__ import annotations
@@ -99,3 +104,13 @@ def init_cache_layer(layer: Any) -> None:
     """What `CacheLayerMixin.__init__` sets on `layer` (`keys`, `values`, `is_initialized`) but `keys` and `values`,
     for a layer whose `keys` and `values` are read-only views of what it holds: not yet initialized."""
     layer.is_initialized = False
+
+
+def connector_transfer_config(connector: Any) -> Any:
+    """The `KVTransferConfig` a vLLM KV connector was built with (`KVConnectorBase_V1` keeps it for subclasses)."""
+    return connector._kv_transfer_config
+
+
+def connector_metadata(connector: Any) -> Any:
+    """The metadata the scheduler built for this step, as a vLLM KV connector's worker side reads it."""
+    return connector._get_connector_metadata()

@@ -61,3 +61,34 @@ def test_lower_layers_do_not_import_upper_ones():
                 assert all(dep.startswith(("patchkv.adapters", "patchkv.kernels", "patchkv.errors", "patchkv.compat",
                                            "patchkv.artifact_format"))
                            for dep in imports(name, file, is_package, known)), name
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_private_names_of_other_libraries_are_read_in_compat_only():
+    """A private attribute (`x._name`, or `getattr(x, "_name")`) read outside compat.py is one patchkv defines itself
+    (a function, class or attribute it assigns somewhere): transformers', accelerate's, torch's and vLLM's go through
+    `patchkv.compat`, where tests/test_compat.py checks each by name."""
+    trees = {file: ast.parse(file.read_text()) for file, _ in modules().values()}
+    defined, read = set(), []
+    for file, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    defined |= {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(target)
+                                if isinstance(n, (ast.Attribute, ast.Name))}
+            if file.name == "compat.py":
+                continue
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                read.append((node.attr, f"{file.relative_to(ROOT)}:{node.lineno}"))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1
+                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                  and _private(node.args[1].value)):
+                read.append((node.args[1].value, f"{file.relative_to(ROOT)}:{node.lineno}"))
+    foreign = [f"{where}: {name}" for name, where in read if name not in defined]
+    assert not foreign, foreign

@@ -66,6 +66,7 @@ from ..allocation import BASES
 from ..artifact import Artifact
 from ..block_codec import PREFIX_TOKENS, BlockCodec, BlockError, Rotations
 from ..budgets import EXACT
+from ..compat import connector_metadata, connector_transfer_config
 from ..lossless import check_compress
 from ..prefix_store import PrefixStore, Spill, block_keys
 
@@ -229,14 +230,14 @@ class PatchKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+        if connector_transfer_config(self).kv_load_failure_policy != "recompute":
             raise ValueError("PatchKVConnector refuses damaged or missing blocks, which vLLM then recomputes: set "
                              "kv_load_failure_policy='recompute' in the kv_transfer_config (patchkv.integrations.vllm."
                              "kv_transfer_config does).")
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("PatchKVConnector codes every KV head of a layer together: run with "
                              "tensor_parallel_size=1.")
-        self.settings = Settings.read(dict(self._kv_transfer_config.kv_connector_extra_config))
+        self.settings = Settings.read(dict(connector_transfer_config(self).kv_connector_extra_config))
         self.codec = build_codec(vllm_config, self.settings)
         self.block_size = vllm_config.cache_config.block_size
         #: blocks at the end of a hit that vLLM computes instead of loading
@@ -380,7 +381,7 @@ class PatchKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """This step's evictions, saves and loads, in that order, all done on return (loads before the forward that
         reads them: vLLM calls this first in a step with loads)."""
-        meta = self._get_connector_metadata()
+        meta = connector_metadata(self)
         if not isinstance(meta, PatchKVMetadata):
             return
         for key in meta.evict:
