@@ -249,6 +249,13 @@ METHODS1 = (("pca-pre-r16", "pre", 16, None), ("pca-pre-r32", "pre", 32, None), 
             ("dp-pre-64bits (16x vs fp16)", "pre", None, 64))
 
 
+def save(fig, title: str, name: str) -> None:
+    """`fig` under its `title`, laid out, to `evals/results/<name>` (110 dpi)."""
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(RESULTS / name, dpi=110)
+
+
 def fig1() -> None:
     """Error vs matrix size: per-token error sums on the held-out verse stream, aggregated over the first T tokens."""
     from patchkv.quantize import allocate_bits
@@ -333,11 +340,9 @@ def fig1() -> None:
     ax[2].set_ylabel("mean |q.k - q.k_hat| / sqrt(d)")
     ax[1].legend(fontsize=6, ncol=2)
     ax[2].legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M, held-out Shakespeare ({total_tokens} unique tokens; right of the dotted line the same "
-                 f"tokens are reused), bases: verse calibration {ntok} tokens, first {SINKS} positions excluded",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "research_fig1_error_vs_size.png", dpi=110)
+    save(fig, f"SmolLM2-135M, held-out Shakespeare ({total_tokens} unique tokens; right of the dotted line the same "
+         f"tokens are reused), bases: verse calibration {ntok} tokens, first {SINKS} positions excluded",
+         "research_fig1_error_vs_size.png")
 
 
 def rel_errors(bases, seqs, rank: int, skip: int = 0, post: bool = False) -> dict:
@@ -394,10 +399,8 @@ def fig2() -> None:
         a.set_ylabel("relative L2 error (%)")
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M: PCA error on held-out text vs calibration size (first 4 positions of each sequence "
-                 "out of calibration and evaluation)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "research_fig2_calibration_tokens.png", dpi=110)
+    save(fig, "SmolLM2-135M: PCA error on held-out text vs calibration size (first 4 positions of each sequence "
+         "out of calibration and evaluation)", "research_fig2_calibration_tokens.png")
 
 
 def position_bins(n: int) -> list[tuple[int, int]]:
@@ -498,10 +501,8 @@ def fig3() -> None:
         a.set_title(f"{title}, rank {rank} of 64")
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M: error by position, bases from {ntok} verse calibration tokens (512-token sequences)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "research_fig3_error_vs_position.png", dpi=110)
+    save(fig, f"SmolLM2-135M: error by position, bases from {ntok} verse calibration tokens (512-token sequences)",
+         "research_fig3_error_vs_position.png")
 
 
 def fig4() -> None:
@@ -572,10 +573,8 @@ def fig4() -> None:
         a.set_ylabel(f"bits (max {MAX_BITS})")
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M: bit allocation from eigenvalues of {ntok} verse calibration tokens (pre-RoPE keys)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "research_fig4_bit_allocation.png", dpi=110)
+    save(fig, f"SmolLM2-135M: bit allocation from eigenvalues of {ntok} verse calibration tokens (pre-RoPE keys)",
+         "research_fig4_bit_allocation.png")
 
 
 def fig5() -> None:
@@ -634,10 +633,9 @@ def fig5() -> None:
     ax[2].set_title("explained variance (verse calibration)")
     ax[2].grid(alpha=0.3, which="both")
     ax[2].legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M: the head where RoPE costs the first two PCs most (top-2 share {100 * float(top2['pre'][layer, head]):.0f}% "
-                 f"pre vs {100 * float(top2['post'][layer, head]):.0f}% post); bases from {ntok} verse tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "research_fig5_rope_pca.png", dpi=110)
+    save(fig, f"SmolLM2-135M: the head where RoPE costs the first two PCs most (top-2 share "
+         f"{100 * float(top2['pre'][layer, head]):.0f}% pre vs {100 * float(top2['post'][layer, head]):.0f}% post); "
+         f"bases from {ntok} verse tokens", "research_fig5_rope_pca.png")
 
 
 
