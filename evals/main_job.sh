@@ -15,8 +15,9 @@ KEPT=evals/results/main_job
 .venv/bin/patchkv report --model "$MODEL" --artifact bases/smollm2 --dtype bfloat16 \
   --text "$DATA/prose_4k.jsonl" --text "$DATA/shakespeare_4k.jsonl" --text "$DATA/milton_4k.jsonl" \
   --out "$RUN"
-# report.md without what changes from run to run whatever the results (its time, date, commit, machine, threads)
-results() { grep -v -E '^- (seconds|date|commit|machine|threads): ' "$1/report.md"; }
+# report.md without what changes from run to run whatever the results (its time, date, commit, machine, threads, and
+# the command, whose --out names the folder this run wrote to)
+results() { grep -v -E '^- (seconds|date|commit|machine|threads|command): ' "$1/report.md"; }
 # the results are report.csv and report.md; report.png is drawn from them (its bytes can differ with the last digits
 # of the unrounded values) and is replaced with them
 if cmp -s "$RUN/report.csv" "$KEPT/report.csv" && cmp -s <(results "$RUN") <(results "$KEPT"); then
