@@ -101,18 +101,24 @@ class Ruler(Task):
     @torch.no_grad()
     def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any, config: str = "") -> Result:
         """One prompt through `cache` (None: the model's own) under `config` (its name): its score in [0, 1]."""
-        device = next(model.parameters()).device
         began = time.perf_counter()
-        context = torch.tensor([sample["context_ids"]], device=device)
-        question = torch.tensor([sample["question_ids"]], device=device)
-        out = model(input_ids=context, cache=cache, use_cache=True)
-        cache = out.cache if cache is None else cache
+        _, cache, context, question = prefill(model, sample, cache)
         logits = model(input_ids=question, cache=cache, use_cache=True).logits[:, -1]
         held = cache_nbytes(cache) / (context.shape[1] + question.shape[1])
         answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
         return Result(config=config, task=self.name, context=sample["context_length"], index=sample["index"],
                       score=ruler_score(sample, answer), kv_bytes_per_token=held, seconds=time.perf_counter() - began,
                       prediction=answer)
+
+
+def prefill(model: nn.Module, sample: dict, cache: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+    """A sample's context through `cache` (None: the model's own) in one forward, stored as the cache stores it:
+    (the forward's output, its last logits only, the cache, the context's and the question's ids `[1, n]`)."""
+    device = next(model.parameters()).device
+    context = torch.tensor([sample["context_ids"]], device=device)
+    question = torch.tensor([sample["question_ids"]], device=device)
+    out = model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+    return out, out.cache if cache is None else cache, context, question
 
 
 @torch.no_grad()
@@ -210,12 +216,10 @@ class Continuation(Ruler):
 
     @torch.no_grad()
     def run(self, model: nn.Module, tokenizer: Any, sample: dict, cache: Any, config: str = "") -> Result:
-        device = next(model.parameters()).device
+        """One document through `cache` (None: the model's own) under `config` (its name): the NLL sum of its last
+        `tokens`, with the bytes the cache held after the prefill, per context token."""
         began = time.perf_counter()
-        context = torch.tensor([sample["context_ids"]], device=device)
-        continuation = torch.tensor([sample["question_ids"]], device=device)
-        out = model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.cache if cache is None else cache
+        out, cache, context, continuation = prefill(model, sample, cache)
         held = cache_nbytes(cache) / context.shape[1]
         later = model(input_ids=continuation, cache=cache, use_cache=True).logits[:, :-1]
         logprobs = torch.cat([out.logits[:, -1:], later], dim=1).float().log_softmax(-1)
