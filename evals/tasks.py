@@ -44,6 +44,8 @@ from patchkv.records import Result
 from patchkv.tasks import TASKS as REGISTRY
 from patchkv.tasks import Task, documents
 
+from .suite import text_ids
+
 ROOT = Path(__file__).resolve().parents[1]
 RULER_CACHE = ROOT / ".cache" / "ruler"
 
@@ -64,9 +66,7 @@ class Perplexity(Task):
     def run(self, model: nn.Module, tokenizer: Any, index: int, context: int, cache: Any, config: str = "") -> Result:
         """Document `index`'s first `context` tokens through `cache` (None: the model's own) under `config` (its
         name): the NLL sum over the tokens scored."""
-        ids = tokenizer(self.documents()[index], add_special_tokens=False)["input_ids"]
-        start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        ids = torch.tensor([(start + ids)[:context]])
+        ids = text_ids(tokenizer, self.documents()[index], context)
         began = time.perf_counter()
         scored = token_nll(model, ids, self.chunk, cache)
         return Result(config=config, task=self.name, context=context, index=index, score=scored.nll,
@@ -203,10 +203,9 @@ class Continuation(Ruler):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         out = []
         for index, text in enumerate(documents(self.source)[:count]):
-            ids = (bos + tokenizer(text, add_special_tokens=False)["input_ids"])[:context]
+            ids = text_ids(tokenizer, text, context)[0].tolist()
             if len(ids) < context:
                 raise ValueError(f"{self.name}: document {index} has {len(ids)} tokens, fewer than the {context} "
                                  "asked for; use a shorter --context.")
