@@ -26,6 +26,7 @@ from numbers import Integral
 
 from .allocation import code_bytes, default_pool, full_kv_bytes_per_token, held_tokens
 from .methods import Method, NearCodes, Quantized, Salience, SinksWindow, parse_method
+from .methods.base import token_kv_bytes
 
 #: the sinks and recent window every budget keeps exact (and counts)
 EXACT = (4, 32)
@@ -72,20 +73,32 @@ def exact_tokens(held: int, context: int, sink_tokens: int, window: int) -> int:
     return min(context, sink_tokens + window) if held == context else min(held, window)
 
 
+def exact_bytes(artifact, held: list[int], context: int, sink_tokens: int, window: int, window_bits: int = 16) -> int:
+    """Bytes the exact regions take over every layer after `context` tokens, each layer holding `held` of them: the
+    sinks in 16 bits, the window in `window_bits` (16, or int8 with a float32 scale per token, head and kind)."""
+    per_token = {bits: artifact.num_kv_heads * token_kv_bytes(artifact.head_dim, bits) for bits in (16, window_bits)}
+    total = 0
+    for h in held:
+        exact = exact_tokens(h, context, sink_tokens, window)
+        sinks = min(context, sink_tokens) if h == context else 0
+        total += sinks * per_token[16] + (exact - sinks) * per_token[window_bits]
+    return total
+
+
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
                    window: int = EXACT[1], basis: str = "head", salience: Salience | None = None,
-                   priced: bool = False, near: NearCodes | None = None) -> int:
+                   priced: bool = False, near: NearCodes | None = None, window_bits: int = 16) -> int:
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
     `salience`'s exact tokens, or `near`'s tokens at its rate) whose whole cache at `context` tokens (exact sinks and
     window in 16 bits, codes, the near codes, the salient tokens, positions) holds at most the 16-bit cache's bytes /
-    `ratio` per token. Raises ValueError if even
+    `ratio` per token (the window in `window_bits`: 16, or int8 with its scales). Raises ValueError if even
     1 bit per head does not fit, and a context that is not a positive integer (`check_context`). `priced`: for
     `Quantized(bits, pool, context=context)`, the pool priced by the tokens each layer holds."""
     check_context(context)
     full = sixteen_bit_bytes(artifact, context)
-    layer_token = full_kv_bytes_per_token(artifact, element_size=2) / artifact.num_layers  # one token, one layer
     held = held_tokens(artifact, context)
     exact = [exact_tokens(h, context, sink_tokens, window) for h in held]
+    exact_total = exact_bytes(artifact, held, context, sink_tokens, window, window_bits)
     salient = salient_bytes(artifact, salience, context - min(sink_tokens + window, context))
     # each layer's coded tokens: the newest `near.tokens` of them at the near rate, the others at the middle's
     nearby = [0 if near is None else min(near.tokens, h - e) for h, e in zip(held, exact)]
@@ -97,10 +110,11 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
         if near is not None:
             finer = Quantized(bits, pool=pool, basis=basis).finer(artifact, near.factor).bits
             codes += sum(n * b for n, b in zip(nearby, code_bytes(artifact, finer, pool, basis, price)))
-        return (sum(exact) * layer_token + codes + salient) / context + POSITION_BYTES
+        return (exact_total + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
-        kept = f"{sink_tokens} sinks and a {window}-token window" + (f" and {salience.spec()}" if salience else "")
+        kept = f"{sink_tokens} sinks and a {window}-token{' int8' if window_bits == 8 else ''} window" + (
+            f" and {salience.spec()}" if salience else "")
         raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {kept} kept exact: they alone "
                          f"take {total(1):.0f} bytes per token of the {full / ratio:.0f} allowed; use a longer "
                          "context, a smaller ratio or a smaller salient fraction.")
@@ -121,7 +135,8 @@ def most_bits(fits: Callable[[int], bool], high: int) -> int:
 class Budget:
     """A compression target: `ratio` against the 16-bit cache, or `bits` per KV head and token; `pool` None picks
     the global pool when the artifact has effect weights; `basis` "head" or "layer" (`Quantized`'s); `salience` a
-    `Salience` method whose exact tokens the ratio pays for too (the codes get what is left)."""
+    `Salience` method whose exact tokens the ratio pays for too (the codes get what is left); `regions` the
+    `SinksWindow` kept exact (None: `SinksWindow(*EXACT)`; an int8 or longer window is paid for from the same bytes)."""
 
     ratio: float | None = None
     bits: int | None = None
@@ -129,23 +144,31 @@ class Budget:
     basis: str = "head"
     salience: Salience | None = None
     near: NearCodes | None = None
+    regions: SinksWindow | None = None
 
     def __str__(self) -> str:
         size = f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
-        return size + "".join(f"+{m.spec()}" for m in (self.near, self.salience) if m is not None)
+        return size + "".join(f"+{m.spec()}" for m in (self.regions, self.near, self.salience) if m is not None)
+
+    @property
+    def exact(self) -> SinksWindow:
+        """The sinks and window this budget keeps exact (or the window int8)."""
+        return self.regions or SinksWindow(*EXACT)
 
     def quantized(self, artifact, context: int) -> Quantized:
         """The codes meeting this budget at `context` tokens (a positive integer, for bit budgets too)."""
         check_context(context)
         pool = self.pool or default_pool(artifact)
+        exact = self.exact
         bits = self.bits if self.bits is not None else bits_for_ratio(
-            artifact, self.ratio, pool=pool, context=context, basis=self.basis, salience=self.salience, near=self.near)
+            artifact, self.ratio, pool=pool, context=context, sink_tokens=exact.sink_tokens, window=exact.window,
+            basis=self.basis, salience=self.salience, near=self.near, window_bits=exact.bits)
         return Quantized(bits, pool=pool, basis=self.basis)
 
     def methods(self, artifact, context: int) -> list[Method]:
-        """[SinksWindow(*EXACT), Quantized(bits, pool)] (and the near codes, the salience method) meeting this budget
-        at `context` tokens."""
-        return [SinksWindow(*EXACT), self.quantized(artifact, context),
+        """[SinksWindow(*EXACT) or `regions`, Quantized(bits, pool)] (and the near codes, the salience method) meeting
+        this budget at `context` tokens."""
+        return [self.exact, self.quantized(artifact, context),
                 *(m for m in (self.near, self.salience) if m is not None)]
 
 
@@ -153,14 +176,16 @@ def parse_budget(text: str) -> Budget:
     """"8x" or "8" followed by x (a ratio > 1 against the 16-bit cache), or "119" (bits per KV head and token);
     "+near" after either keeps the newest coded tokens at a higher rate out of the same budget ("16x+near",
     "16x+near:tokens=480", `NearCodes`), "+" and a salience method keeps its tokens exact ("16x+novelty",
-    "16x+novelty:fraction=0.01"; `patchkv.methods.parse_method`); both, near first: "16x+near+novelty"."""
+    "16x+novelty:fraction=0.01"; `patchkv.methods.parse_method`); both, near first: "16x+near+novelty"; "+sinks:..."
+    first sets the exact regions ("16x+sinks:window=64,bits=8": an int8 window of 64, `SinksWindow`)."""
     text, plus, extra = text.strip().lower().rpartition("+")
     if plus:
         method, budget = parse_method(extra.strip()), parse_budget(text)
-        role = "near" if isinstance(method, NearCodes) else "salience" if isinstance(method, Salience) else None
+        role = "near" if isinstance(method, NearCodes) else "salience" if isinstance(method, Salience) else \
+            "regions" if isinstance(method, SinksWindow) else None
         if role is None:
-            raise ValueError(f"budget {text + plus + extra!r}: after '+' comes near or a salience method (novelty, "
-                             f"code_error, key_norm, attention_mass), not {method.name!r}.")
+            raise ValueError(f"budget {text + plus + extra!r}: after '+' comes sinks, near or a salience method "
+                             f"(novelty, code_error, key_norm, attention_mass), not {method.name!r}.")
         if getattr(budget, role) is not None:
             raise ValueError(f"budget {text + plus + extra!r} names two {role} methods; keep one.")
         return replace(budget, **{role: method})

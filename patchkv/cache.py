@@ -6,7 +6,8 @@ pre-RoPE mode, rotated in post-RoPE mode):
     sink_keys, sink_values       [batch, kv_heads, sinks, head_dim]    exact
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
     near_keys, near_values       [batch, 1, near, near width]          the newest codes, at the near rate
-    recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact
+    recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact, or int8 between forwards (SinksWindow(bits=8))
+    recent_scale                 [batch, kv_heads, window, 2 or 0]     an int8 window's key and value scales (float32)
     salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience): exact, or int8
     salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
     salient_scale                [batch, kv_heads, s, 2 or 0]          int8 copies' key and value scales (float32)
@@ -69,9 +70,13 @@ from .visible import Visible
 #: the middle's buffer grows by this many tokens at a time
 PAGE = 64
 SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score", "salient_scale")
-#: every region a layer holds: sinks, middle and window, then a salience method's exact tokens
 NEAR = ("near_keys", "near_values")
-REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT, *NEAR)
+#: an int8 window's scales (width 0 while the window is exact)
+WINDOW_SCALE = "recent_scale"
+#: every region a layer holds: sinks, middle and window, then a salience method's exact tokens, the near tokens and the
+#: window's scales
+REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT, *NEAR,
+           WINDOW_SCALE)
 
 
 class PositionTrack:
@@ -113,7 +118,8 @@ class LatentLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, patch: LayerPatch, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
-                 track: PositionTrack | None = None, salience: Salience | None = None, near_tokens: int = 0):
+                 track: PositionTrack | None = None, salience: Salience | None = None, near_tokens: int = 0,
+                 window_bits: int = 16):
         init_cache_layer(self)  # CacheLayerMixin.__init__ would assign .keys/.values, read-only views here
         self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
         # a sliding layer keeps its sinks exact while they are in its window, and at most `sliding_window - 1` recent
@@ -123,6 +129,7 @@ class LatentLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.salience = None if self.is_sliding else salience  # a sliding layer keeps only its last tokens
         self.near_tokens = near_tokens
+        self.window_bits = window_bits  # 8: the window held as int8 between forwards
         self.track = track if track is not None else PositionTrack()
         self.tensors: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # the middle's storage, `tensors` its first tokens
@@ -150,8 +157,8 @@ class LatentLayer(CacheLayerMixin):
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add keys and values `[batch, kv_heads, n, head_dim]` at true `positions` `[batch, n]`, exact (the
         first tokens seen fill the sinks, the others join the window until `after_attention`)."""
-        if self.is_initialized and self.tensors["recent_keys"].dtype != keys.dtype:
-            raise PatchKVError(f"this cache holds {self.tensors['recent_keys'].dtype} tensors and the model now "
+        if self.is_initialized and self.tensors["sink_keys"].dtype != keys.dtype:
+            raise PatchKVError(f"this cache holds {self.tensors['sink_keys'].dtype} tensors and the model now "
                                f"computes in {keys.dtype} (its dtype changed after the cache was written); start a "
                                "new cache (generate() makes one), or change the dtype before writing it.")
         if not self.is_initialized:  # empty regions of their own, not views that would keep this forward's K/V alive
@@ -159,11 +166,15 @@ class LatentLayer(CacheLayerMixin):
             self.tensors = {name: empty[name.split("_")[1]] for name in ("sink_keys", "sink_values", "recent_keys",
                                                                           "recent_values")}
             self.tensors.update(no_salient(keys, values, self.salience))
+            self.tensors.update(no_window_scale(empty["keys"]))
             for name, codec in zip(("latent_keys", "latent_values", *NEAR), (self.patch.keys, self.patch.values,
                                                                              self.patch.near_keys, self.patch.near_values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
         t = self.tensors
+        if t[WINDOW_SCALE].shape[-1]:  # an int8 window: this forward reads it, and its own tokens, in the model's dtype
+            t["recent_keys"], t["recent_values"] = _read_copies(t, "recent", keys.dtype)
+            t.update(no_window_scale(t["recent_keys"]))
         room = max(0, self.sink_tokens - self.cumulative_length)  # the sequence's first tokens (a sliding layer drops
         # its sinks once they leave its window, and they are not refilled)
         for kind, x in (("keys", keys), ("values", values)):
@@ -175,7 +186,8 @@ class LatentLayer(CacheLayerMixin):
     def after_attention(self, observed: Observation | None = None) -> None:
         """The forward's attention is done: the tokens beyond the last `window` are encoded into the middle (scored
         for the salience method, with the forward's queries in `observed` for one that observes), and a sliding layer
-        keeps only the last `sliding_window - 1` tokens (all of them while recording)."""
+        keeps only the last `sliding_window - 1` tokens (all of them while recording); an int8 window is then held as
+        int8."""
         t = self.tensors
         leaving = t["recent_keys"].shape[2] - self.window
         if leaving > 0:
@@ -183,6 +195,10 @@ class LatentLayer(CacheLayerMixin):
                 self._encode(leaving, observed)
         if self.is_sliding and not self.record_past:
             self._keep_last(self.sliding_window - 1)
+        if self.window_bits == 8:
+            t["recent_keys"], t["recent_values"], t[WINDOW_SCALE] = _copies(t["recent_keys"], t["recent_values"], 8)
+        elif t[WINDOW_SCALE].shape[2] != t["recent_keys"].shape[2]:  # an exact window: no scales, one per token
+            t.update(no_window_scale(t["recent_keys"]))
 
     def _encode(self, leaving: int, observed: Observation | None = None) -> None:
         t = self.tensors
@@ -326,14 +342,16 @@ class LatentLayer(CacheLayerMixin):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
         ns, nn, nr = t["sink_keys"].shape[2], t["near_keys"].shape[2], t["recent_keys"].shape[2]
         sink_pos, middle_pos, near_pos, window_pos = self._positions(kept).split([ns, kept - ns - nn - nr, nn, nr], dim=1)
-        seen = Visible(t["sink_keys"], t["sink_values"], t["recent_keys"], t["recent_values"],
+        dtype = t["sink_keys"].dtype
+        window_keys, window_values = _read_copies(t, "recent", dtype)
+        seen = Visible(t["sink_keys"], t["sink_values"], window_keys, window_values,
                        t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, window_pos)
         if nn:
             seen.near_keys, seen.near_values = t["near_keys"].squeeze(1), t["near_values"].squeeze(1)
             seen.near_positions = near_pos
         if t["salient_keys"].shape[2]:
             index = t["salient_index"].squeeze(-1).long()
-            seen.salient_keys, seen.salient_values = _read_copies(t, t["recent_keys"].dtype)
+            seen.salient_keys, seen.salient_values = _read_copies(t, "salient", dtype)
             seen.salient_index = index
             coded_pos = torch.cat([middle_pos, near_pos], dim=1) if nn else middle_pos
             seen.salient_positions = coded_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
@@ -449,9 +467,9 @@ class LatentLayer(CacheLayerMixin):
         for region in ("recent", "near", "latent", "sink"):
             n = min(remove, self.tensors[f"{region}_keys"].shape[2])
             if n:  # the middle stays a view of its buffer (the next tokens are written after it); other regions are
-                for kind in ("keys", "values"):  # copied out, so the tokens cropped from them are freed
-                    kept = self.tensors[f"{region}_{kind}"][:, :, :-n]
-                    self.tensors[f"{region}_{kind}"] = kept if region == "latent" else kept.clone()
+                for name in (f"{region}_keys", f"{region}_values", *((WINDOW_SCALE,) if region == "recent" else ())):
+                    kept = self.tensors[name][:, :, :-n]  # copied out, so the tokens cropped from them are freed
+                    self.tensors[name] = kept if region == "latent" else kept.clone()
                 remove -= n
         self._drop_salient_past(self.coded_len)
         self.cumulative_length -= min(-tokens_to_remove, self.cumulative_length)
@@ -490,7 +508,7 @@ class LatentCache(Cache):
         self.track = PositionTrack()
         plan = patch.plan
         layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track, plan.salience,
-                              plan.near_tokens) for lp in patch.layers]
+                              plan.near_tokens, plan.window_bits) for lp in patch.layers]
         super().__init__(layers=layers)
         self.offload_layers = offloading
         self.fingerprint = patch.fingerprint
@@ -563,8 +581,9 @@ class LatentCache(Cache):
             kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
             copies = "exact" if layer.salience is None or layer.salience.bits == 16 else "as int8 copies"
             salient = f" ({layer.salient_len} per KV head also {copies})" if layer.salient_len else ""
+            int8 = " (int8)" if layer.window_bits == 8 else ""
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}{salient}, "
-                         f"window {layer.window_len}, {layer.nbytes()} bytes")
+                         f"window {layer.window_len}{int8}, {layer.nbytes()} bytes")
         return "\n".join(lines)
 
 
@@ -606,12 +625,19 @@ def _copies(keys: torch.Tensor, values: torch.Tensor, bits: int) -> tuple[torch.
     return codes[0], codes[1], torch.cat(scales, dim=-1)
 
 
-def _read_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's salient key and value copies `[batch, kv_heads, s, head_dim]` in `dtype`, int8 ones scaled back."""
-    keys, values, scale = tensors["salient_keys"], tensors["salient_values"], tensors["salient_scale"]
+def _read_copies(tensors: dict[str, torch.Tensor], region: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values of `region` ("salient" copies or the "recent" window) `[batch, kv_heads, s, head_dim]`
+    in `dtype`, int8 ones scaled back by the region's scales."""
+    keys, values, scale = tensors[f"{region}_keys"], tensors[f"{region}_values"], tensors[f"{region}_scale"]
     if not scale.shape[-1]:
         return keys, values
     return (keys.float() * scale[..., :1]).to(dtype), (values.float() * scale[..., 1:]).to(dtype)
+
+
+def no_window_scale(keys: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The scales of an exact window (width 0) for a layer whose window keys are `keys` `[batch, kv_heads, n,
+    head_dim]` (a cache file written before int8 windows existed)."""
+    return {WINDOW_SCALE: keys.new_zeros((*keys.shape[:3], 0), dtype=torch.float32)}
 
 
 def no_near(lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:

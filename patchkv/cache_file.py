@@ -12,7 +12,7 @@ over the codes, laid out byte column by byte column (each column holds the same 
 takes back what the fixed rate spends on unlikely levels. Only packed codes (uint8 middles) are compressed; the
 exact sinks and window, low-rank latents and positions are stored as they are.
 
-Format (version 4)
+Format (version 5)
 ==================
 One safetensors file. Tensors, for each layer `i` and each region `r` of `patchkv.cache.REGIONS`:
 
@@ -23,22 +23,24 @@ One safetensors file. Tensors, for each layer `i` and each region `r` of `patchk
                                                 copies), int32 coded index (over the middle, then the near
                                                 tokens), float32 score, each `[batch, kv_heads, s, ...]`;
                                                 zero-sized without one; the near
-                                                regions of `NearCodes`, zero-sized without it)
+                                                regions of `NearCodes`, zero-sized without it; the window
+                                                exact, or int8 with its float32 scales in `recent_scale`,
+                                                `[batch, kv_heads, window, 2]`, width 0 for an exact window)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
 
-The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 4; `fingerprint`, the
+The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 5; `fingerprint`, the
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
 and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
 
 `load_cache` reads tensors and JSON only (nothing is executed) and checks the whole file against the model's patch
 from its header before it reads a tensor; it raises `PatchKVError` naming what differs (what it found, what the
-patch holds) unless: the entry is there at version 4 (3, written before int8 salient copies existed: its copies
-exact; 2, before the near regions too; 1, before the salient regions too: read with none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
+patch holds) unless: the entry is there at version 5 (4, written before int8 windows existed: its window exact; 3, before int8 salient
+copies existed too: its copies exact; 2, before the near regions too; 1, before the salient regions too: read with none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
 layer holds all its regions (or none does, for an empty cache) and all have seen the same number of tokens, which is
 the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
 and those are what the layer's patch holds: exact regions in the patch's dtype `[batch, kv_heads, n, head_dim]`, the
-middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient copies in the
+middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient copies and the window in the
 patch's dtype (or int8 with 2 scales), salient indices int32 and scores float32, one
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
 sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
@@ -64,14 +66,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import NEAR, REGIONS, SALIENT, LatentCache, LatentLayer, no_near, no_salient
+from .cache import NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, no_near, no_salient, no_window_scale
 from .errors import PatchKVError
 from .lossless import InflateError, check_compress, deflate, inflate
 
 FORMAT = "patchkv_cache"
-VERSION = 4
+VERSION = 5
 #: versions load_cache reads: 3 has no salient scales (exact copies), 2 no near regions either, 1 no salient regions
-READABLE = (1, 2, 3, 4)
+READABLE = (1, 2, 3, 4, 5)
 ENCODINGS = ("raw", "deflate")
 #: the dtypes a region may be stored in, by their names in the metadata and in the safetensors header
 _SAFETENSORS = {torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
@@ -156,6 +158,8 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
             continue
         held = {name: _region(path, tensors, f"layers.{i}.{name}", regions[name]) for name in regions}
         held.update(_salient(path, i, held))
+        if WINDOW_SCALE not in held:  # before version 5: an exact window
+            held.update(no_window_scale(held["recent_keys"]))
         if "near_keys" not in held:
             held.update(no_near(layer.patch, held["sink_keys"], held["sink_values"]))
         layer.tensors = {name: t.to(device) for name, t in held.items()}
@@ -236,8 +240,8 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
     least the last `sliding_window - 1` in a sliding one), exact copies of middle tokens only with a salience
     method. Returns the tensor names."""
     regions = entry["regions"]
-    missing = {4: (), 3: ("salient_scale",), 2: (*NEAR, "salient_scale"), 1: (*NEAR, *SALIENT)}[version]  # regions
-    # a file of that version was written without
+    missing = {5: (), 4: (WINDOW_SCALE,), 3: ("salient_scale", WINDOW_SCALE), 2: (*NEAR, "salient_scale", WINDOW_SCALE),
+               1: (*NEAR, *SALIENT, WINDOW_SCALE)}[version]  # regions a file of that version was written without
     expected = tuple(r for r in REGIONS if r not in missing)
     if set(regions) != set(expected):
         raise _damaged(path, f"layer {i} holds regions {sorted(regions)}, expected {list(expected)}")
@@ -251,7 +255,8 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
             raise _damaged(path, f"region layers.{i}.{name} is {dtype} {shape}, this patch's layer {i} holds {what} "
                                  f"there as {want_dtype} [{b}, {heads}, tokens, {width}]")
     tokens = {name: regions[name]["shape"][2] for name in expected}
-    for group in (("sink_keys", "sink_values"), ("latent_keys", "latent_values"), ("recent_keys", "recent_values"),
+    for group in (("sink_keys", "sink_values"), ("latent_keys", "latent_values"),
+                  tuple(n for n in ("recent_keys", "recent_values", WINDOW_SCALE) if n in tokens),
                   tuple(n for n in SALIENT if n in tokens), tuple(n for n in NEAR if n in tokens)):
         if len({tokens[n] for n in group}) > 1:
             raise _damaged(path, f"layer {i}'s regions {list(group)} hold different numbers of tokens "
@@ -270,9 +275,9 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
              for kind in ("keys", "values")}
     patterns = {f"{region}_{kind}": exact[kind] for region in ("sink", "recent", "salient") for kind in exact}
     int8 = layer.salience is not None and layer.salience.bits == 8
-    if int8:
-        for kind in ("keys", "values"):
-            patterns[f"salient_{kind}"] = (torch.int8, exact[kind][1], f"int8 copies of {kind}")
+    for region, held_int8 in (("salient", int8), ("recent", layer.window_bits == 8)):
+        for kind in ("keys", "values") if held_int8 else ():
+            patterns[f"{region}_{kind}"] = (torch.int8, exact[kind][1], f"int8 {region} {kind}")
     for kind in ("keys", "values"):
         for region, codec in (("latent", getattr(lp, kind)), ("near", getattr(lp, f"near_{kind}"))):
             patterns[f"{region}_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width),
@@ -280,6 +285,7 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
     patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient coded indices")
     patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
     patterns["salient_scale"] = (torch.float32, (batch, heads, 2 if int8 else 0), "the int8 copies' scales")
+    patterns[WINDOW_SCALE] = (torch.float32, (batch, heads, 2 if layer.window_bits == 8 else 0), "the window's scales")
     return patterns
 
 

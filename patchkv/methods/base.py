@@ -3,7 +3,8 @@
 A plan says what the cache stores and how attention reads it:
 
 - `codec`: how the middle is stored (one per plan): `LowRank` floats or `Quantized` DP codes;
-- `sink_tokens` / `window`: the first and the last tokens kept as exact K/V (`SinksWindow`);
+- `sink_tokens` / `window`: the first and the last tokens kept as exact K/V, the window optionally int8
+  (`SinksWindow`);
 - `selector`: decode-time token selection over the middle (`TopK`);
 - `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`Salience`:
   `Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`);
@@ -30,8 +31,15 @@ if TYPE_CHECKING:
 
 #: how a `Salience` method's kept tokens are chosen: the same for a layer's KV heads, or each head its own
 SCOPES = ("layer", "head")
-#: how a `Salience` method's copies are held: exact (16-bit, the model's dtype) or int8 with a scale
+#: how a `Salience` method's copies and a `SinksWindow`'s window are held: exact (16-bit, the model's dtype) or int8
+#: with a scale
 COPY_BITS = (16, 8)
+
+
+def token_kv_bytes(head_dim: int, bits: int) -> int:
+    """Bytes one token's key and value take in one KV head of `head_dim` held at `bits` (`COPY_BITS`): 16-bit, or
+    int8 and a float32 scale each."""
+    return 2 * (2 * head_dim if bits == 16 else head_dim + 4)
 
 
 class Method:
@@ -154,7 +162,7 @@ class Salience(Method):
     def copy_bytes(self, head_dim: int) -> int:
         """Bytes one kept token's key and value copies take in one KV head of `head_dim`: 16-bit, or int8 and a
         float32 scale each (its coded index and score are counted apart: `patchkv.budgets.SALIENT_INDEX_BYTES`)."""
-        return 2 * (2 * head_dim if self.bits == 16 else head_dim + 4)
+        return token_kv_bytes(head_dim, self.bits)
 
     def capacity(self, coded: int) -> int:
         """Exact tokens each KV head keeps over `coded` coded tokens."""
@@ -196,6 +204,7 @@ class CachePlan:
     codec: CodecMethod
     sink_tokens: int = 0
     window: int = 0
+    window_bits: int = 16  # 8: the window held as int8 between forwards (`SinksWindow(bits=8)`)
     selector: Selector | None = None
     salience: Salience | None = None
     near: Method | None = None  # a `NearCodes`
