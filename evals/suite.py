@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import patchkv
-from patchkv.budgets import Budget, sixteen_bit_bytes
+from patchkv.budgets import EXACT, Budget, sixteen_bit_bytes
 from patchkv.configs import Config, budget, peer, quantized_cache, unpatched
 from patchkv.nbytes import cache_nbytes
 from patchkv.perplexity import token_nll
@@ -52,15 +52,18 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa", rope_f
 
 
 def _coded(ratio: float, name: str, note: str, mode: str = "pre_rope", basis: str = "head", salience=None,
-           extra: tuple = (), family: str = "patchkv", near=None) -> Config:
-    return budget(Budget(ratio=ratio, pool="global", basis=basis, salience=salience, near=near), name, mode=mode,
-                  extra=extra, family=family, note=note)
+           extra: tuple = (), family: str = "patchkv", near=None, regions=None) -> Config:
+    return budget(Budget(ratio=ratio, pool="global", basis=basis, salience=salience, near=near, regions=regions), name,
+                  mode=mode, extra=extra, family=family, note=note)
 
 
 #: the salient fraction the suite's salience configs keep exact per KV head (paid for from the same budget)
 SALIENT_FRACTION = 1 / 128
 #: the fraction kept as int8 copies ("-int8" configs): twice the tokens, for about the bytes of SALIENT_FRACTION exact
 INT8_FRACTION = 1 / 64
+#: the exact regions of the "-w8" configs: the budgets' sinks and window, the window held as int8 (half its bytes go
+#: to the codes)
+INT8_WINDOW = patchkv.SinksWindow(*EXACT, bits=8)
 
 
 def _salient(ratio: int, scorer: type) -> Config:
@@ -70,16 +73,17 @@ def _salient(ratio: int, scorer: type) -> Config:
                   family=f"patchkv+{method.name}")
 
 
-def _near(ratio: int, basis: str = "head", salience=None) -> Config:
+def _near(ratio: int, basis: str = "head", salience=None, regions=None) -> Config:
     """`ratio` with near codes (`NearCodes`' defaults) from the same bytes, on per-head or layer bases, and a salience
-    method's copies beside them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", and with
-    int8 copies "16x-near-novelty-int8"."""
+    method's copies beside them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", with
+    int8 copies "16x-near-novelty-int8", and with `regions` `INT8_WINDOW` (an int8 window) "-w8" after the name."""
     near, layer = patchkv.NearCodes(), "-layer" if basis == "layer" else ""
     kept = f"-{salience.name}{'-int8' if salience.bits == 8 else ''}" if salience else ""
+    window = "-w8" if regions is not None else ""
     note = (f"global pre-RoPE codes{' on layer bases' if layer else ''} + {near.spec()}"
-            f"{f' + {salience.spec()} kept' if salience else ''}, {ratio}x vs bf16")
-    return _coded(ratio, f"{ratio}x{layer}-near{kept}", note, basis=basis, salience=salience, near=near,
-                  family=f"patchkv{layer}+near{kept.replace('-', '+')}")
+            f"{f' + {salience.spec()} kept' if salience else ''}{' + int8 window' if window else ''}, {ratio}x vs bf16")
+    return _coded(ratio, f"{ratio}x{layer}-near{kept}{window}", note, basis=basis, salience=salience, near=near,
+                  family=f"patchkv{layer}+near{kept.replace('-', '+')}{window.replace('-', '+')}", regions=regions)
 
 
 CONFIGS: dict[str, Config] = {c.name: c for c in (
@@ -95,6 +99,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_near(ratio, basis) for basis in ("head", "layer") for ratio in (8, 16, 32)),
     *(_near(ratio, basis, patchkv.Novelty(SALIENT_FRACTION)) for basis in ("head", "layer") for ratio in (16, 32)),
     *(_near(ratio, basis, patchkv.Novelty(INT8_FRACTION, bits=8)) for basis in ("head", "layer") for ratio in (16, 32)),
+    *(_near(ratio, "head", regions=INT8_WINDOW) for ratio in (8, 16)),
+    *(_near(ratio, "layer", patchkv.Novelty(INT8_FRACTION, bits=8), INT8_WINDOW) for ratio in (16, 32)),
 )}
 
 
