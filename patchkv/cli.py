@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -92,13 +93,14 @@ def rank_list(text: str) -> list[int]:
 
 
 def budget_list(text: str) -> list:
-    """argparse type: comma-separated budgets (`patchkv.budgets.parse_budget`), or 'none'."""
+    """argparse type: comma-separated budgets (`patchkv.budgets.parse_budget`), or 'none'. A budget starts with a
+    digit, so a comma inside a method's fields does not split it ("8x,16x+sinks:window=64,bits=8" is two)."""
     from .budgets import parse_budget
 
     if text.strip().lower() == "none":
         return []
     try:
-        return [parse_budget(t) for t in text.split(",")]
+        return [parse_budget(t) for t in re.split(r",(?=\s*\d)", text)]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

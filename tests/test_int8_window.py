@@ -12,8 +12,9 @@ from conftest import calibration_ids, make_model
 from test_fast_decode import check_decode
 
 import patchkv
-from patchkv.budgets import Budget, exact_bytes, parse_budget, sixteen_bit_bytes
 from patchkv.allocation import held_tokens
+from patchkv.budgets import Budget, exact_bytes, parse_budget, sixteen_bit_bytes
+from patchkv.cli import budget_list
 
 INT8 = [patchkv.SinksWindow(2, 6, bits=8), patchkv.Quantized(20)]
 EXACT = [patchkv.SinksWindow(2, 6), patchkv.Quantized(20)]
@@ -72,6 +73,8 @@ def test_bytes_are_counted_and_budgets_pay_for_them():
     assert parse_budget("16x+sinks:window=64,bits=8+near").regions == patchkv.SinksWindow(4, 64, bits=8)
     assert str(parse_budget("16x+sinks:window=64,bits=8")) == "16x+sinks:sink_tokens=4,window=64,bits=8"
     assert patchkv.SinksWindow(4, 32).spec() == "sinks:sink_tokens=4,window=32"
+    assert [str(b) for b in budget_list("8x, 16x+sinks:window=64,bits=8+near,119")] == [  # the CLI's --budgets
+        "8x", "16x+sinks:sink_tokens=4,window=64,bits=8+near", "119 bits"]
     with pytest.raises(ValueError, match="bits"):
         patchkv.SinksWindow(4, 32, bits=4)
 
