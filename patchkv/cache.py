@@ -361,30 +361,20 @@ class LatentLayer(CacheLayerMixin):
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
         return self.track.positions[:, self.cumulative_length - kept: self.cumulative_length]
 
-    @property
-    def sink_len(self) -> int:
-        return self.tensors["sink_keys"].shape[2] if self.tensors else 0
+    def _tokens(self, name: str) -> int:
+        """Tokens the region `name` holds (0 before the first forward)."""
+        return self.tensors[name].shape[2] if self.tensors else 0
 
-    @property
-    def middle_len(self) -> int:
-        return self.tensors["latent_keys"].shape[2] if self.tensors else 0
+    sink_len = property(lambda self: self._tokens("sink_keys"))
+    middle_len = property(lambda self: self._tokens("latent_keys"))
+    near_len = property(lambda self: self._tokens("near_keys"))
+    salient_len = property(lambda self: self._tokens("salient_keys"))  # copies per KV head
+    window_len = property(lambda self: self._tokens("recent_keys"))
 
     @property
     def coded_len(self) -> int:
         """Tokens held as codes: the middle's and the near tokens' (what a salience method's indices point into)."""
         return self.middle_len + self.near_len
-
-    @property
-    def salient_len(self) -> int:
-        return self.tensors["salient_keys"].shape[2] if self.tensors else 0
-
-    @property
-    def near_len(self) -> int:
-        return self.tensors["near_keys"].shape[2] if self.tensors else 0
-
-    @property
-    def window_len(self) -> int:
-        return self.tensors["recent_keys"].shape[2] if self.tensors else 0
 
     @property
     def batch_size(self) -> int:

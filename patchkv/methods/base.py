@@ -36,6 +36,20 @@ SCOPES = ("layer", "head")
 COPY_BITS = (16, 8)
 
 
+def check_bits(owner: str, bits: object, what: str) -> int:
+    """`bits` as one of `COPY_BITS` (`what` says what each means to `owner`)."""
+    if isinstance(bits, bool) or bits not in COPY_BITS:
+        raise ValueError(f"{owner}: bits must be one of {COPY_BITS} ({what}), got {bits!r}.")
+    return int(bits)
+
+
+def spec_of(method: Method, always: tuple[str, ...] = ()) -> str:
+    """`name` and the fields that differ from their defaults, or are named in `always` ("near", "near:tokens=480")."""
+    shown = [f"{f.name}={getattr(method, f.name)}" for f in fields(method)
+             if f.name in always or getattr(method, f.name) != f.default]
+    return f"{method.name}:{','.join(shown)}" if shown else method.name
+
+
 def token_kv_bytes(head_dim: int, bits: int) -> int:
     """Bytes one token's key and value take in one KV head of `head_dim` held at `bits` (`COPY_BITS`): 16-bit, or
     int8 and a float32 scale each."""
@@ -149,15 +163,11 @@ class Salience(Method):
         object.__setattr__(self, "fraction", float(fraction))
         if self.scope not in SCOPES:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
-        if isinstance(self.bits, bool) or self.bits not in COPY_BITS:
-            raise ValueError(f"{self.name}: bits must be one of {COPY_BITS} (exact copies, or int8 with a scale), "
-                             f"got {self.bits!r}.")
-        object.__setattr__(self, "bits", int(self.bits))
+        object.__setattr__(self, "bits", check_bits(self.name, self.bits, "exact copies, or int8 with a scale"))
 
     def spec(self) -> str:
         """`name` and the fields that differ from their defaults ("novelty", "novelty:fraction=0.01")."""
-        changed = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
-        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else self.name
+        return spec_of(self)
 
     def copy_bytes(self, head_dim: int) -> int:
         """Bytes one kept token's key and value copies take in one KV head of `head_dim`: 16-bit, or int8 and a

@@ -16,9 +16,9 @@ Needs a codec with a rate (`Quantized`); not combined with a `Selector` (refused
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
-from .base import CachePlan, Method, check_int
+from .base import CachePlan, Method, check_int, spec_of
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class NearCodes(Method):
 
     def spec(self) -> str:
         """`near` and the fields that differ from their defaults ("near", "near:tokens=480")."""
-        changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
-        return f"{self.name}:{','.join(changed)}" if changed else self.name
+        return spec_of(self)
 
     def configure(self, plan: CachePlan) -> CachePlan:
         return replace(plan, near=self)

@@ -15,13 +15,15 @@ exact, and the sinks stay exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
-from .base import COPY_BITS, CachePlan, Method, check_int, token_kv_bytes
+from .base import CachePlan, Method, check_bits, check_int, spec_of, token_kv_bytes
 
 
 @dataclass(frozen=True)
 class SinksWindow(Method):
+    """The first `sink_tokens` and the last `window` tokens of every layer kept exact (the window int8 at `bits=8`)."""
+
     name = "sinks"
     role = "regions"
     sink_tokens: int = 4
@@ -29,17 +31,13 @@ class SinksWindow(Method):
     bits: int = field(default=16, kw_only=True)
 
     def __post_init__(self):
-        object.__setattr__(self, "sink_tokens", check_int("sinks", "sink_tokens", self.sink_tokens, 0))
-        object.__setattr__(self, "window", check_int("sinks", "window", self.window, 0))
-        if isinstance(self.bits, bool) or self.bits not in COPY_BITS:
-            raise ValueError(f"sinks: bits must be one of {COPY_BITS} (an exact window, or int8 with a scale), "
-                             f"got {self.bits!r}.")
-        object.__setattr__(self, "bits", int(self.bits))
+        for name in ("sink_tokens", "window"):
+            object.__setattr__(self, name, check_int("sinks", name, getattr(self, name), 0))
+        object.__setattr__(self, "bits", check_bits("sinks", self.bits, "an exact window, or int8 with a scale"))
 
     def spec(self) -> str:
         """`sinks:sink_tokens=4,window=32`, and `,bits=8` for an int8 window."""
-        shown = [f for f in fields(self) if f.name != "bits" or self.bits != 16]
-        return f"{self.name}:" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in shown)
+        return spec_of(self, always=("sink_tokens", "window"))
 
     def token_bytes(self, head_dim: int) -> int:
         """Bytes one window token's key and value take in one KV head of `head_dim`: 16-bit, or int8 and a float32
