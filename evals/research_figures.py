@@ -256,6 +256,14 @@ def save(fig, title: str, name: str) -> None:
     fig.savefig(RESULTS / name, dpi=110)
 
 
+def finish_axes(a, xlabel: str, ylabel: str) -> None:
+    """Axes `a` labelled, on a grid over major and minor ticks, with a small legend."""
+    a.set_xlabel(xlabel)
+    a.set_ylabel(ylabel)
+    a.grid(alpha=0.3, which="both")
+    a.legend(fontsize=7)
+
+
 def fig1() -> None:
     """Error vs matrix size: per-token error sums on the held-out verse stream, aggregated over the first T tokens."""
     from patchkv.quantize import allocate_bits
@@ -495,12 +503,9 @@ def fig3() -> None:
                        label="post-RoPE, calibrated on 2 x 8192 positions (control), eval verse seq 2")
         a.axvline(SEQ_LEN, color="grey", ls=":", lw=0.8)
         a.text(SEQ_LEN * 1.05, a.get_ylim()[1] * 0.9, "calibration\nseq_len", fontsize=7, color="grey", va="top")
-        a.set_xlabel("position in the 8192-token sequence (log bins; position 0 drawn at 0.5)")
-        a.set_ylabel("relative L2 error (%)")
+        finish_axes(a, "position in the 8192-token sequence (log bins; position 0 drawn at 0.5)", "relative L2 error (%)")
         a.set_yscale("log")
         a.set_title(f"{title}, rank {rank} of 64")
-        a.grid(alpha=0.3, which="both")
-        a.legend(fontsize=7)
     save(fig, f"SmolLM2-135M: error by position, bases from {ntok} verse calibration tokens (512-token sequences)",
          "research_fig3_error_vs_position.png")
 
@@ -569,10 +574,7 @@ def fig4() -> None:
                            label=f"values, pool {budget} bits/head avg")
         ax[2].set_title("one global pool over layers, heads, K and V\n(plain eigenvalues = raw MSE units)")
     for a in ax:
-        a.set_xlabel("principal component index")
-        a.set_ylabel(f"bits (max {MAX_BITS})")
-        a.grid(alpha=0.3, which="both")
-        a.legend(fontsize=7)
+        finish_axes(a, "principal component index", f"bits (max {MAX_BITS})")
     save(fig, f"SmolLM2-135M: bit allocation from eigenvalues of {ntok} verse calibration tokens (pre-RoPE keys)",
          "research_fig4_bit_allocation.png")
 
