@@ -96,9 +96,21 @@ def quantized_cache(nbits: int, backend: str = "quanto", name: str | None = None
 
 
 def budget(target: Budget, name: str | None = None, *, mode: str | None = None, extra: tuple[Method, ...] = (),
-           family: str = "patchkv", note: str = "") -> Config:
-    """patchkv codes meeting `target` at the context they run at (named "patchkv <target>" unless `name`)."""
-    return Config(name or f"patchkv {target}", "patchkv", family, budget=target, mode=mode, extra=extra, note=note)
+           family: str | None = None, note: str = "") -> Config:
+    """patchkv codes meeting `target` at the context they run at (named "patchkv <target>" unless `name`), in the
+    family `family_of(target)` unless `family` is given."""
+    return Config(name or f"patchkv {target}", "patchkv", family or family_of(target), budget=target, mode=mode,
+                  extra=extra, note=note)
+
+
+def family_of(target: Budget) -> str:
+    """The plot line a budget joins: "patchkv" and what it keeps beside the codes ("patchkv+near", "patchkv+int8
+    window 16+near+novelty"), so that one line joins the ratios of one method family."""
+    exact = target.regions
+    window = "" if exact is None else f"+{'int8 ' if exact.bits == 8 else ''}window {exact.window}" + (
+        f", {exact.sink_tokens} sinks" if exact.sink_tokens != 4 else "")
+    basis = "-layer" if target.basis == "layer" else ""
+    return f"patchkv{basis}{window}" + "".join(f"+{m.spec()}" for m in (target.near, target.salience) if m is not None)
 
 
 def peer(name: str) -> Config:

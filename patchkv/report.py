@@ -211,7 +211,7 @@ def write(rows: list[Row], out: Path, meta: dict[str, Any]) -> list[Path]:
                for r in rows for t, ppl in (r.perplexity or {"": math.nan}).items()])
     base = rows[0].perplexity
     points = [Point(t, r.config.family, r.texts[0].compression, r.perplexity[t],
-                    _short(r.name) + change(r.perplexity[t], base[t])) for r in rows[1:] for t in base if t in r.perplexity]
+                    _short(r) + change(r.perplexity[t], base[t])) for r in rows[1:] for t in base if t in r.perplexity]
     png = plot(points, out / "report.png", xlabel="KV compression vs 16-bit cache (x)", ylabel="token perplexity",
                baselines=base)
     return [md, out / "report.csv", *([png] if png else [])]
@@ -228,6 +228,9 @@ def _needle(row: Row) -> tuple[int, int]:
     return (int(row.needle.score), row.needle.count) if row.needle else (0, 0)
 
 
-def _short(name: str) -> str:
-    """A configuration's name as a plot label: "quanto int2", "8x"."""
-    return name.removeprefix("patchkv ").replace("QuantizedCache ", "")
+def _short(row: Row) -> str:
+    """A configuration as a plot label beside its family's line: "quanto int2", a budget's size ("8x")."""
+    target = row.config.budget
+    if target is not None:
+        return f"{target.ratio:g}x" if target.ratio is not None else f"{target.bits} bits"
+    return row.name.replace("QuantizedCache ", "")

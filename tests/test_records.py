@@ -4,7 +4,7 @@
 import pytest
 
 from patchkv import configs, records
-from patchkv.budgets import Budget
+from patchkv.budgets import Budget, parse_budget
 
 
 def test_a_markdown_table_and_changes():
@@ -25,6 +25,12 @@ def test_configurations_name_their_kind_and_family():
     with pytest.raises(ValueError, match="no patchkv methods"):
         quanto.methods(None, 4096)
     assert configs.peer("kvpress KVzipPress r=0.9375").family == "kvpress KVzipPress"
+    # one plot line per method family: a budget's family is what it keeps beside the codes, whatever its ratio
+    families = {t: configs.budget(parse_budget(t)).family for t in ("8x", "16x", "8x+near", "16x+sinks:window=16,bits=8+near",
+                                                                    "8x+near+novelty:bits=8")}
+    assert families == {"8x": "patchkv", "16x": "patchkv", "8x+near": "patchkv+near",
+                        "16x+sinks:window=16,bits=8+near": "patchkv+int8 window 16+near",
+                        "8x+near+novelty:bits=8": "patchkv+near+novelty:bits=8"}
 
 
 def test_the_suite_builds_its_configurations_with_the_library():
