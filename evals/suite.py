@@ -99,7 +99,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_near(ratio, basis) for basis in ("head", "layer") for ratio in (8, 16, 32)),
     *(_near(ratio, basis, patchkv.Novelty(SALIENT_FRACTION)) for basis in ("head", "layer") for ratio in (16, 32)),
     *(_near(ratio, basis, patchkv.Novelty(INT8_FRACTION, bits=8)) for basis in ("head", "layer") for ratio in (16, 32)),
-    *(_near(ratio, "head", regions=INT8_WINDOW) for ratio in (8, 16)),
+    *(_near(ratio, basis, regions=INT8_WINDOW) for basis in ("head", "layer") for ratio in (8, 16, 32)),
     *(_near(ratio, "layer", patchkv.Novelty(INT8_FRACTION, bits=8), INT8_WINDOW) for ratio in (16, 32)),
 )}
 
