@@ -95,8 +95,9 @@ def spans_decades(values: Iterable[float]) -> bool:
 def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapping[str, str],
          baselines: Mapping[str, float] | None = None, titles: Mapping[str, str] | None = None) -> Path | None:
     """One panel per `panel` (in order of appearance), one line per family joining its points by x, each point
-    labelled; a dashed line at each panel's unpatched baseline (`baselines`); `ylabel` one for all panels or one per
-    panel. Written to `path` (PNG); None, with nothing written, where matplotlib is not installed."""
+    labelled in its line's colour; a dashed line at each panel's unpatched baseline (`baselines`); `ylabel` one for
+    all panels or one per panel. Written to `path` (PNG); None, with nothing written, where matplotlib is not
+    installed."""
     try:
         import matplotlib
 
@@ -115,12 +116,13 @@ def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapp
             for label in set(ylabels.values())}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        here = [p for p in points if p.panel == panel]
+        here, colours = [p for p in points if p.panel == panel], {}
         for family in dict.fromkeys(p.family for p in here):
             line = sorted((p for p in here if p.family == family), key=lambda p: p.x)
-            ax.errorbar([p.x for p in line], [p.y for p in line], yerr=[p.error for p in line], marker="o",
-                        capsize=3 if any(p.error for p in line) else 0, linestyle="-" if len(line) > 1 else "none",
-                        label=family)
+            bars = ax.errorbar([p.x for p in line], [p.y for p in line], yerr=[p.error for p in line], marker="o",
+                               capsize=3 if any(p.error for p in line) else 0,
+                               linestyle="-" if len(line) > 1 else "none", label=family)
+            colours[family] = bars.lines[0].get_color()
         if panel in base:
             ax.axhline(base[panel], color="gray", linestyle="--", label="unpatched")
         ax.set_xscale("log" if xlog else "linear")
@@ -135,23 +137,29 @@ def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapp
         ax.set_title((titles or {}).get(panel, panel))
         ax.legend(fontsize=FONT)
         ax.figure.canvas.draw()  # the scales and limits the labels are placed by
-        _label(ax, here)
+        _label(ax, here, colours)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
 
 
-def _label(ax: Any, points: Sequence[Point]) -> None:
-    """Write each point's label beside it: above right where that covers neither the legend nor a label already
-    placed, else the first free place among below right, above left, below left, then further above or below (with a
-    leader line); where none is free within the panel, the place covering the fewest. Measured on the drawn figure."""
+def _label(ax: Any, points: Sequence[Point], colours: Mapping[str, str]) -> None:
+    """Write each point's label beside it, in its family's colour (`colours`): above right where that covers neither
+    the legend, nor a label already placed, nor another point's marker, else the first free place among below right,
+    above left, below left, then further above or below (with a leader line); where none is free within the panel,
+    the place covering the fewest. Measured on the drawn figure."""
     from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
 
     renderer = ax.figure.canvas.get_renderer()
     inside = ax.get_window_extent(renderer)
     placed = [ax.get_legend().get_window_extent(renderer)]
+    radius = 4 * ax.figure.dpi / 72  # a default marker's, pixels
+    markers = [(p, Bbox.from_bounds(*(ax.transData.transform((p.x, p.y)) - radius), 2 * radius, 2 * radius))
+               for p in points]
     for p in sorted((p for p in points if p.label), key=lambda p: (p.y, p.x)):
+        others = placed + [box for q, box in markers if q is not p]
         note = ax.annotate(p.label, (p.x, p.y), xytext=(0, 0), textcoords="offset points", fontsize=FONT)
         note.update_positions(renderer)
         box = Text.get_window_extent(note, renderer)  # the text alone, without a leader line; pixels
@@ -160,9 +168,9 @@ def _label(ax: Any, points: Sequence[Point]) -> None:
         far = [(gap, sign * (gap + k * h)) for k in range(1, 6) for sign in (1, -1)]
         spots = [(dx, dy, box.translated(dx, dy)) for dx, dy in near + far]
         free = [s for s in spots if inside.contains(s[2].x0, s[2].y0) and inside.contains(s[2].x1, s[2].y1)]
-        dx, dy, spot = min(free or spots, key=lambda s: sum(s[2].overlaps(other) for other in placed))
+        dx, dy, spot = min(free or spots, key=lambda s: sum(s[2].overlaps(other) for other in others))
         note.remove()
         leader = {"arrowstyle": "-", "color": "gray", "lw": 0.5} if (dx, dy) not in near else None
         ax.annotate(p.label, (p.x, p.y), xytext=(dx * 72 / ax.figure.dpi, dy * 72 / ax.figure.dpi),
-                    textcoords="offset points", fontsize=FONT, arrowprops=leader)
+                    textcoords="offset points", fontsize=FONT, arrowprops=leader, color=colours[p.family])
         placed.append(spot)

@@ -71,3 +71,9 @@ def test_a_plot_draws_a_line_per_family_and_labels_that_do_not_overlap(tmp_path,
     boxes = [Text.get_window_extent(text, renderer) for text in ax.texts]  # the text alone, not its leader line
     assert len(boxes) == len(points)
     assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+    # each label in its line's colour, and over no other point's marker
+    colour = {bars.get_label(): bars.lines[0].get_color() for bars in ax.containers}
+    assert [text.get_color() for text in ax.texts] == [colour[text.get_text().split(" at ")[0]] for text in ax.texts]
+    centres = {p.label: ax.transData.transform((p.x, p.y)) for p in points}
+    assert not [(text.get_text(), label) for text, box in zip(ax.texts, boxes) for label, (x, y) in centres.items()
+                if label != text.get_text() and box.contains(x, y)]
