@@ -61,6 +61,9 @@ def _coded(ratio: float, name: str, note: str, mode: str = "pre_rope", basis: st
 SALIENT_FRACTION = 1 / 128
 #: the fraction kept as int8 copies ("-int8" configs): twice the tokens, for about the bytes of SALIENT_FRACTION exact
 INT8_FRACTION = 1 / 64
+#: near codes at 4 times the middle's bits ("near4" configs): the knee of 2 to 8 times on calibration text at 16x
+#: (`python -m evals near-tokens --tokens 960 --factors 3,4,5,6,8 --name near_factors`)
+NEAR4 = patchkv.NearCodes(factor=4)
 #: the exact regions of the "-w8" configs: the budgets' sinks and window, the window held as int8 (half its bytes go
 #: to the codes)
 INT8_WINDOW = patchkv.SinksWindow(*EXACT, bits=8)
@@ -73,17 +76,20 @@ def _salient(ratio: int, scorer: type) -> Config:
                   family=f"patchkv+{method.name}")
 
 
-def _near(ratio: int, basis: str = "head", salience=None, regions=None) -> Config:
-    """`ratio` with near codes (`NearCodes`' defaults) from the same bytes, on per-head or layer bases, and a salience
-    method's copies beside them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", with
-    int8 copies "16x-near-novelty-int8", and with `regions` `INT8_WINDOW` (an int8 window) "-w8" after the name."""
-    near, layer = patchkv.NearCodes(), "-layer" if basis == "layer" else ""
+def _near(ratio: int, basis: str = "head", salience=None, regions=None, near=patchkv.NearCodes()) -> Config:
+    """`ratio` with near codes from the same bytes, on per-head or layer bases, and a salience method's copies beside
+    them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", with int8 copies
+    "16x-near-novelty-int8", with `regions` `INT8_WINDOW` (an int8 window) "-w8" after the name, and with near codes
+    at 4 times the middle's bits (`NEAR4`) "near4" in place of "near"."""
+    layer = "-layer" if basis == "layer" else ""
+    factor = "" if near.factor == patchkv.NearCodes().factor else str(near.factor)
     kept = f"-{salience.name}{'-int8' if salience.bits == 8 else ''}" if salience else ""
     window = "-w8" if regions is not None else ""
     note = (f"global pre-RoPE codes{' on layer bases' if layer else ''} + {near.spec()}"
             f"{f' + {salience.spec()} kept' if salience else ''}{' + int8 window' if window else ''}, {ratio}x vs bf16")
-    return _coded(ratio, f"{ratio}x{layer}-near{kept}{window}", note, basis=basis, salience=salience, near=near,
-                  family=f"patchkv{layer}+near{kept.replace('-', '+')}{window.replace('-', '+')}", regions=regions)
+    return _coded(ratio, f"{ratio}x{layer}-near{factor}{kept}{window}", note, basis=basis, salience=salience,
+                  near=near, regions=regions,
+                  family=f"patchkv{layer}+near{factor}{kept.replace('-', '+')}{window.replace('-', '+')}")
 
 
 CONFIGS: dict[str, Config] = {c.name: c for c in (
@@ -101,6 +107,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_near(ratio, basis, patchkv.Novelty(INT8_FRACTION, bits=8)) for basis in ("head", "layer") for ratio in (16, 32)),
     *(_near(ratio, basis, regions=INT8_WINDOW) for basis in ("head", "layer") for ratio in (8, 16, 32)),
     *(_near(ratio, "layer", patchkv.Novelty(INT8_FRACTION, bits=8), INT8_WINDOW) for ratio in (16, 32)),
+    *(_near(ratio, "head", regions=INT8_WINDOW, near=NEAR4) for ratio in (8, 16, 32)),
+    *(_near(ratio, "layer", patchkv.Novelty(INT8_FRACTION, bits=8), INT8_WINDOW, NEAR4) for ratio in (8, 16, 32)),
 )}
 
 
