@@ -42,7 +42,7 @@ from patchkv.provenance import commit, machine
 from patchkv.records import SAMPLE_FIELDS, Point, Result, change, markdown, write_csv
 from patchkv.records import plot as records_plot
 
-from .suite import CONFIGS, RESULTS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
+from .suite import CONFIGS, PLOTTED, RESULTS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
 from .suite import config as suite_config
 from .tasks import REGISTRY, TASKS, Ruler, wilson_half_width
 from .verbs import VERBS
@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--predictions", required=True)
     t = sub.add_parser("table", help="rebuild the summary CSV from the records, print it as a markdown table, plot it")
     t.add_argument("--tasks", default=None, help="comma-separated: only these tasks' columns (and plot panels)")
+    t.add_argument("--families", default="plotted",
+                   help="the families the plot draws: 'plotted' (evals.suite.PLOTTED), 'all', or comma-separated names")
     args = parser.parse_args(argv)
     if args.command == "list":
         for c in CONFIGS.values():
@@ -286,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = write_summary(args.results)
         tasks = args.tasks.split(",") if args.tasks else None
         print(table(rows, tasks))
-        shown = [r for r in rows if tasks is None or r["task"] in tasks]
+        families = {"plotted": PLOTTED, "all": None}.get(args.families, args.families.split(","))
+        shown = [r for r in rows if (tasks is None or r["task"] in tasks) and (families is None or r["family"] in
+                                                                                families)]
         print(f"wrote {plot(shown, args.results / 'smollm2_accuracy.png')}")
 
 

@@ -112,6 +112,14 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
 )}
 
 
+#: the families the suite's accuracy plot draws (`python -m evals table`; `--families all` draws every one, and the CSV
+#: and table always hold every configuration): the unpatched model, `QuantizedCache`, patchkv's plain codes, near
+#: codes on per-head bases, the configuration that meets the most targets, and kvpress's presses measured at 16x and
+#: 32x
+PLOTTED = ("unpatched", "quantized_cache", "patchkv", "patchkv+near", "patchkv-layer+near4+novelty+int8+w8",
+           "kvpress KVzipPress", "kvpress SnapKVPress", "kvpress TOVAPress", "kvpress StreamingLLMPress")
+
+
 def config(name: str) -> Config:
     """The registered configuration `name`, or a peer's (evals/peers) known by its name alone."""
     return CONFIGS.get(name) or peer(name)

@@ -84,6 +84,8 @@ class Point:
 #: a span of values (largest over smallest) from which an axis is drawn logarithmic
 LOG_SPAN = 10.0
 FONT = 7
+#: panels to a row
+COLUMNS = 3
 
 
 def spans_decades(values: Iterable[float]) -> bool:
@@ -93,11 +95,12 @@ def spans_decades(values: Iterable[float]) -> bool:
 
 
 def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapping[str, str],
-         baselines: Mapping[str, float] | None = None, titles: Mapping[str, str] | None = None) -> Path | None:
-    """One panel per `panel` (in order of appearance), one line per family joining its points by x, each point
-    labelled in its line's colour; a dashed line at each panel's unpatched baseline (`baselines`); `ylabel` one for
-    all panels or one per panel. Written to `path` (PNG); None, with nothing written, where matplotlib is not
-    installed."""
+         baselines: Mapping[str, float] | None = None, titles: Mapping[str, str] | None = None,
+         columns: int = COLUMNS) -> Path | None:
+    """One panel per `panel` (in order of appearance, `columns` to a row), one line per family joining its points by
+    x, each family in one colour in every panel and named once in a legend beside the panels, each point labelled in
+    its line's colour; a dashed line at each panel's unpatched baseline (`baselines`); `ylabel` one for all panels
+    or one per panel. Written to `path` (PNG); None, with nothing written, where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -109,22 +112,27 @@ def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapp
     panels = list(dict.fromkeys(p.panel for p in points))
     ylabels = {panel: ylabel if isinstance(ylabel, str) else ylabel[panel] for panel in panels}
     base = dict(baselines or {})
+    families = list(dict.fromkeys(p.family for p in points))
+    palette = plt.get_cmap("tab10" if len(families) <= 10 else "tab20").colors
+    colours = {family: palette[i % len(palette)] for i, family in enumerate(families)}
     # one scale per quantity: x over every panel, y over the panels of one label
     xlog = spans_decades(p.x for p in points)
     ylog = {label: spans_decades([p.y for p in points if ylabels[p.panel] == label]
                                  + [v for panel, v in base.items() if ylabels.get(panel) == label])
             for label in set(ylabels.values())}
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        here, colours = [p for p in points if p.panel == panel], {}
+    rows, width = -(-len(panels) // columns), min(columns, len(panels))
+    fig, axes = plt.subplots(rows, width, figsize=(5.5 * width, 4.2 * rows), squeeze=False)
+    handles: dict[str, Any] = {}
+    for ax, panel in zip(axes.flat, panels):
+        here = [p for p in points if p.panel == panel]
         for family in dict.fromkeys(p.family for p in here):
             line = sorted((p for p in here if p.family == family), key=lambda p: p.x)
-            bars = ax.errorbar([p.x for p in line], [p.y for p in line], yerr=[p.error for p in line], marker="o",
-                               capsize=3 if any(p.error for p in line) else 0,
-                               linestyle="-" if len(line) > 1 else "none", label=family)
-            colours[family] = bars.lines[0].get_color()
+            handles[family] = ax.errorbar([p.x for p in line], [p.y for p in line], yerr=[p.error for p in line],
+                                          marker="o", capsize=3 if any(p.error for p in line) else 0,
+                                          linestyle="-" if len(line) > 1 else "none", label=family,
+                                          color=colours[family])
         if panel in base:
-            ax.axhline(base[panel], color="gray", linestyle="--", label="unpatched")
+            handles["unpatched"] = ax.axhline(base[panel], color="gray", linestyle="--", label="unpatched")
         ax.set_xscale("log" if xlog else "linear")
         ax.set_yscale("log" if ylog[ylabels[panel]] else "linear")
         for axis, log in ((ax.xaxis, xlog), (ax.yaxis, ylog[ylabels[panel]])):
@@ -135,18 +143,21 @@ def plot(points: Sequence[Point], path: Path, *, xlabel: str, ylabel: str | Mapp
         ax.set_xlabel(xlabel + (" (log)" if xlog else ""))
         ax.set_ylabel(ylabels[panel] + (" (log)" if ylog[ylabels[panel]] else ""))
         ax.set_title((titles or {}).get(panel, panel))
-        ax.legend(fontsize=FONT)
-        ax.figure.canvas.draw()  # the scales and limits the labels are placed by
-        _label(ax, here, colours)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.legend(list(handles.values()), list(handles), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=FONT + 1)
+    fig.canvas.draw()  # the scales and limits the labels are placed by
+    for ax, panel in zip(axes.flat, panels):
+        _label(ax, [p for p in points if p.panel == panel], colours)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
 
-def _label(ax: Any, points: Sequence[Point], colours: Mapping[str, str]) -> None:
+def _label(ax: Any, points: Sequence[Point], colours: Mapping[str, Any]) -> None:
     """Write each point's label beside it, in its family's colour (`colours`): above right where that covers neither
-    the legend, nor a label already placed, nor another point's marker, else the first free place among below right,
+    a label already placed, nor another point's marker, else the first free place among below right,
     above left, below left, then further above or below (with a leader line); where none is free within the panel,
     the place covering the fewest. Measured on the drawn figure."""
     from matplotlib.text import Text
@@ -154,7 +165,7 @@ def _label(ax: Any, points: Sequence[Point], colours: Mapping[str, str]) -> None
 
     renderer = ax.figure.canvas.get_renderer()
     inside = ax.get_window_extent(renderer)
-    placed = [ax.get_legend().get_window_extent(renderer)]
+    placed: list[Any] = []
     radius = 4 * ax.figure.dpi / 72  # a default marker's, pixels
     markers = [(p, Bbox.from_bounds(*(ax.transData.transform((p.x, p.y)) - radius), 2 * radius, 2 * radius))
                for p in points]

@@ -63,8 +63,8 @@ def test_a_plot_draws_a_line_per_family_and_labels_that_do_not_overlap(tmp_path,
     assert path.is_file()
     ax = figures[0].axes[0]
     assert ax.get_yscale() == "log" and ax.get_xscale() == "linear"
-    assert sorted(text.get_text() for text in ax.get_legend().get_texts()) == ["patchkv", "quantized_cache",
-                                                                                "unpatched"]
+    legend = figures[0].legends[0]  # one legend beside the panels, each family named once
+    assert sorted(text.get_text() for text in legend.get_texts()) == ["patchkv", "quantized_cache", "unpatched"]
     renderer = figures[0].canvas.get_renderer()
     for text in ax.texts:
         text.update_positions(renderer)
@@ -77,3 +77,22 @@ def test_a_plot_draws_a_line_per_family_and_labels_that_do_not_overlap(tmp_path,
     centres = {p.label: ax.transData.transform((p.x, p.y)) for p in points}
     assert not [(text.get_text(), label) for text, box in zip(ax.texts, boxes) for label, (x, y) in centres.items()
                 if label != text.get_text() and box.contains(x, y)]
+
+
+def test_a_family_keeps_its_colour_in_every_panel_and_panels_wrap(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    # "b" first appears in the second panel, "a" is missing from it: colours follow the family, not the panel's order
+    points = [records.Point("one", "a", 1.0, 1.0), records.Point("one", "b", 2.0, 2.0),
+              records.Point("two", "b", 1.0, 1.0), records.Point("two", "c", 2.0, 2.0),
+              *(records.Point(f"p{i}", "a", 1.0, 1.0) for i in range(3))]
+    records.plot(points, tmp_path / "p.png", xlabel="x", ylabel="y")
+    shown = [ax for ax in figures[0].axes if ax.get_visible()]
+    assert len(shown) == 5 and len(figures[0].axes) == 6  # two rows of three, the last cell left empty
+    colours = [{bars.get_label(): bars.lines[0].get_color() for bars in ax.containers} for ax in shown]
+    assert colours[0]["b"] == colours[1]["b"] != colours[1]["c"]
+    assert len({c["a"] for c in (colours[0], *colours[2:])}) == 1
+    assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["a", "b", "c"]
