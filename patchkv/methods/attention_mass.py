@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Salience, check_int
+from .base import Salience
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class AttentionMass(Salience):
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "observe", check_int("attention_mass", "observe", self.observe, 1))
+        self.integers(1, "observe")
 
     def score(self, lp, keys, values, stored, observed=None):
         batch, heads, n, dim = keys.shape

@@ -71,6 +71,14 @@ class Method:
         fields = ",".join(f"{k}={v}" for k, v in vars(self).items() if v is not None)
         return f"{self.name}:{fields}" if fields else self.name
 
+    def integers(self, minimum: int, *fields: str) -> None:
+        """Each of `fields` that is not None checked to be an integer >= `minimum` (`check_int`) and kept as a plain
+        int (for `__post_init__` of a frozen dataclass)."""
+        for field_name in fields:
+            if getattr(self, field_name) is not None:
+                object.__setattr__(self, field_name, check_int(self.name, field_name, getattr(self, field_name),
+                                                               minimum))
+
 
 class CodecMethod(Method):
     """A method that decides how latents are stored: builds every layer's key and value codecs."""

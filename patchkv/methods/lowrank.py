@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..latent import Codec, LatentBasis, PackedCodec
-from .base import CodecMethod, check_int
+from .base import CodecMethod
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,7 @@ class LowRank(CodecMethod):
     def __post_init__(self):
         if self.rank is not None and self.energy is not None:
             raise ValueError("lowrank: pass rank= or energy=, not both.")
-        if self.rank is not None:
-            object.__setattr__(self, "rank", check_int("lowrank", "rank", self.rank, 1))
+        self.integers(1, "rank")
         if self.energy is not None and not 0.0 < float(self.energy) <= 1.0:
             raise ValueError(f"lowrank: energy must be in (0, 1], got {self.energy!r}.")
 

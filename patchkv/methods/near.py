@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .base import CachePlan, Method, check_int, spec_of
+from .base import CachePlan, Method, spec_of
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,7 @@ class NearCodes(Method):
     factor: int = 2
 
     def __post_init__(self):
-        object.__setattr__(self, "tokens", check_int("near", "tokens", self.tokens, 1))
-        object.__setattr__(self, "factor", check_int("near", "factor", self.factor, 1))
+        self.integers(1, "tokens", "factor")
 
     def spec(self) -> str:
         """`near` and the fields that differ from their defaults ("near", "near:tokens=480")."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Salience, check_int
+from .base import Salience
 
 #: a token's own neighbours (within this many positions) are not compared with it
 NEIGHBOURS = 8
@@ -35,7 +35,7 @@ class Novelty(Salience):
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "references", check_int("novelty", "references", self.references, 1))
+        self.integers(1, "references")
 
     def score(self, lp, keys, values, stored, observed=None):
         batch, heads, n, _ = keys.shape

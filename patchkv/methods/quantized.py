@@ -36,7 +36,7 @@ from ..kernels import ops as kernels
 from ..kernels.reference import ComponentTable
 from ..latent import Codec, LatentBasis, LayerBasis
 from ..quantize import CoefficientQuantizer
-from .base import CodecMethod, check_int
+from .base import CodecMethod
 
 
 class QuantizedCodec(Codec):
@@ -114,9 +114,7 @@ class Quantized(CodecMethod):
     context: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "bits", check_int("quantized", "bits", self.bits, 1))
-        if self.context is not None:
-            object.__setattr__(self, "context", check_int("quantized", "context", self.context, 1))
+        self.integers(1, "bits", "context")
         if self.pool not in POOLS:
             raise ValueError(f"quantized: pool must be one of {POOLS}, got {self.pool!r}.")
         if self.basis not in BASES:

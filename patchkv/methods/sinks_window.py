@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .base import CachePlan, Method, check_bits, check_int, spec_of, token_kv_bytes
+from .base import CachePlan, Method, check_bits, spec_of, token_kv_bytes
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,7 @@ class SinksWindow(Method):
     bits: int = field(default=16, kw_only=True)
 
     def __post_init__(self):
-        for name in ("sink_tokens", "window"):
-            object.__setattr__(self, name, check_int("sinks", name, getattr(self, name), 0))
+        self.integers(0, "sink_tokens", "window")
         object.__setattr__(self, "bits", check_bits("sinks", self.bits, "an exact window, or int8 with a scale"))
 
     def spec(self) -> str:

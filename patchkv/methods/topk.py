@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Selector, check_int
+from .base import Selector
 
 if TYPE_CHECKING:
     from ..latent import Codec
@@ -32,9 +32,7 @@ class TopK(Selector):
     rank: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "k", check_int("topk", "k", self.k, 1))
-        if self.rank is not None:
-            object.__setattr__(self, "rank", check_int("topk", "rank", self.rank, 1))
+        self.integers(1, "k", "rank")
 
     def applies(self, query_len: int, middle_len: int) -> bool:
         return query_len == 1 and middle_len >= self.k
