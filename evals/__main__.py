@@ -235,6 +235,13 @@ def table(rows: list[dict], tasks: list[str] | None = None) -> str:
     return markdown(head, lines)
 
 
+def plotted(rows: list[dict], tasks: list[str] | None, families: str) -> list[dict]:
+    """The summary rows the plot draws: those of `tasks` (None: every task) whose family `families` names
+    ("plotted": `evals.suite.PLOTTED`, "all": every family, or comma-separated family names)."""
+    chosen = {"plotted": PLOTTED, "all": None}.get(families, families.split(","))
+    return [r for r in rows if (tasks is None or r["task"] in tasks) and (chosen is None or r["family"] in chosen)]
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     """Score vs KV bytes per token, one panel per task x context, one curve per method family (patchkv's
     budgets joined by a line; each kvpress press its own curve over its ratios), 95% intervals as error bars."""
@@ -288,10 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = write_summary(args.results)
         tasks = args.tasks.split(",") if args.tasks else None
         print(table(rows, tasks))
-        families = {"plotted": PLOTTED, "all": None}.get(args.families, args.families.split(","))
-        shown = [r for r in rows if (tasks is None or r["task"] in tasks) and (families is None or r["family"] in
-                                                                                families)]
-        print(f"wrote {plot(shown, args.results / 'smollm2_accuracy.png')}")
+        print(f"wrote {plot(plotted(rows, tasks, args.families), args.results / 'smollm2_accuracy.png')}")
 
 
 if __name__ == "__main__":

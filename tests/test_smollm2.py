@@ -116,6 +116,18 @@ def test_summary_and_table_from_records(tmp_path):
     assert lines[3] == f"| 8x | 2880 | 8.00x | {math.exp(2.1):.2f} ({100 * (math.exp(0.1) - 1):+.1f}%) (n=2) |"
 
 
+def test_the_plot_draws_the_headline_families_unless_asked_for_all():
+    from evals.__main__ import plotted
+    from evals.suite import PLOTTED
+
+    rows = [{"task": t, "family": f} for t in ("ppl_prose", "needle_text")
+            for f in ("unpatched", "patchkv", "patchkv+near+novelty", "kvpress KVzipPress")]
+    assert {r["family"] for r in plotted(rows, None, "plotted")} == {"unpatched", "patchkv", "kvpress KVzipPress"}
+    assert "patchkv+near+novelty" not in PLOTTED and len(plotted(rows, None, "all")) == 8
+    assert plotted(rows, ["needle_text"], "patchkv+near+novelty") == [{"task": "needle_text",
+                                                                      "family": "patchkv+near+novelty"}]
+
+
 def test_lossless_benchmark_saves_restores_and_measures(tmp_path):
     """`python -m evals lossless`, short: one document at 1k through 8x; the restored cache is checked equal inside
     the benchmark, and the CSV carries the measured ratio and its provenance."""
