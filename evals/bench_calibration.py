@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from patchkv.calibrate import calibrate
+from patchkv.calibrate import calibrate, text_batches
 from patchkv.cli import build_parser
 from patchkv.provenance import commit, machine
 from patchkv.texts import default_texts
@@ -51,17 +51,22 @@ def calibrate_seconds(model: str) -> float:
 
 
 def forward_seconds(model_path: str, tokens: int, seq_len: int) -> float:
-    """Seconds of plain forwards over `tokens` tokens of the shipped mix, `BATCH` rows of `seq_len` a forward."""
+    """Seconds of plain forwards over the first `tokens` tokens of the shipped mix, in the batches calibration reads
+    (`text_batches`: `BATCH` rows of `seq_len` a forward)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    ids = tokenizer("\n\n".join(default_texts()), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    ids = ids[: tokens // seq_len * seq_len].view(-1, seq_len)
+    batches, read = [], 0
+    for ids, mask in text_batches(default_texts(), tokenizer, seq_len, BATCH):
+        if read >= tokens:
+            break
+        batches.append((ids, mask))
+        read += ids.numel()
     start = time.perf_counter()
     with torch.no_grad():
-        for row in range(0, ids.shape[0], BATCH):
-            model(input_ids=ids[row:row + BATCH], use_cache=False)
+        for ids, mask in batches:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
     return time.perf_counter() - start
 
 

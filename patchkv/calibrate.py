@@ -334,7 +334,7 @@ def _batches(data: Any, tokenizer: Any, seq_len: int, batch_size: int) -> Iterat
     if isinstance(data, str) or _is_texts(data):
         if tokenizer is None:
             raise ValueError("Calibrating on text needs a tokenizer: calibrate(model, texts, tokenizer=tokenizer).")
-        yield from _text_batches([data] if isinstance(data, str) else data, tokenizer, seq_len, batch_size)
+        yield from text_batches([data] if isinstance(data, str) else data, tokenizer, seq_len, batch_size)
         return
     if isinstance(data, (Mapping, torch.Tensor, np.ndarray)):  # one block of rows: cut into batches
         ids, mask = _as_batch(data)
@@ -402,8 +402,9 @@ def _as_rows(x: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return t, torch.ones_like(t, dtype=torch.bool) if real is None else real.view_as(t)
 
 
-def _text_batches(texts: Iterable[str], tokenizer: Any, seq_len: int, batch_size: int) -> Iterator[Batch]:
-    """Tokenize text by text (lazily: calibration stops at max_tokens) into full `seq_len` windows."""
+def text_batches(texts: Iterable[str], tokenizer: Any, seq_len: int, batch_size: int) -> Iterator[Batch]:
+    """Tokenize text by text (lazily: calibration stops at max_tokens) into full `seq_len` windows: batches of
+    `batch_size` rows (ids `[rows, seq_len]`, attention mask), the batches calibration reads texts as."""
     buffer: list[int] = []
     rows: list[list[int]] = []
     produced = False
