@@ -651,6 +651,55 @@ std::vector<torch::Tensor> attend(
   return {m_out, l_out, sums};
 }
 
+// ----- leading_scores: top-k's candidate scores, straight from the stored codes ---------------------------------
+// Scores of the G queries of each head against every stored token's coefficients (the table's components, for
+// top-k the leading ones), one query per chunk of `chunk` consecutive tokens: q [B, H, G, chunks, widest] float32
+// in table order, q_bias [B, H, G, chunks]; out [B, H * G, N] = q[b, h, g, n / chunk] . c[b, h, n] +
+// q_bias[b, h, g, n / chunk]. Coefficients are unpacked a block at a time: no float copy of the middle is made.
+torch::Tensor leading_scores(torch::Tensor latents, torch::Tensor head_start, torch::Tensor byte, torch::Tensor shift,
+                             torch::Tensor mask, torch::Tensor step, torch::Tensor offset, torch::Tensor wide,
+                             torch::Tensor q, torch::Tensor q_bias, int64_t chunk) {
+  check_latents(latents);
+  const Table t = make_table(head_start, byte, shift, mask, step, offset, wide);
+  const int64_t B = latents.size(0), N = latents.size(1), W = latents.size(2), H = t.heads;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 5 && q.size(0) == B &&
+              q.size(1) == H && q.size(4) == t.widest, "q: float32 contiguous [B, H, G, chunks, widest]");
+  const int64_t G = q.size(2), chunks = q.size(3);
+  TORCH_CHECK(chunk > 0 && chunks * chunk >= N, "chunk: ", chunks, " chunks of ", chunk, " do not cover ", N,
+              " tokens");
+  TORCH_CHECK(q_bias.scalar_type() == torch::kFloat32 && q_bias.is_contiguous() && q_bias.numel() == B * H * G * chunks,
+              "q_bias: float32 contiguous [B, H, G, chunks]");
+  auto out = torch::empty({B, H * G, N}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* qb = q_bias.data_ptr<float>();
+  dispatch_latents(latents, [&](auto* src) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> coef(BLOCK * t.widest);
+      std::vector<uint8_t> buffer;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
+        const auto* block = src + (b * N + n0) * W;
+        const uint8_t* pad = padded(block, W, count, buffer);
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t K = t.head_start[h + 1] - t.head_start[h];
+          unpack_block(block, W, count, t, h, coef.data(), t.widest, pad);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t row = (b * H + h) * G + g;
+            float* scores = o + row * N + n0;
+            for (int64_t j = 0; j < count; ++j) {
+              const int64_t c = (n0 + j) / chunk;
+              scores[j] = dot(qp + (row * chunks + c) * t.widest, coef.data() + j * t.widest, K) + qb[row * chunks + c];
+            }
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // ----- encode: coefficients [B, H, N, R] float32 -> fixed-rate codes [B, N, W] ---------------------------------
 // Component c (flat index components[c] = h * R + j) gets idx = clamp(floor(x / step + levels / 2), 0, mask)
 // (step 0 reads as 1), its bits written from bit `shift` of byte `byte` on (least significant first).
@@ -693,4 +742,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reconstruct", &reconstruct, "stored latents -> vectors [B, H, N, D], rotated by position if rope is given");
   m.def("attend", &attend, "one decode step over the stored middle: running max, sum and value sums");
   m.def("encode", &encode, "coefficients [B, H, N, R] -> fixed-rate codes [B, N, W]");
+  m.def("leading_scores", &leading_scores, "one query per chunk of tokens against the stored coefficients");
 }

@@ -22,12 +22,6 @@ def _triton_for(x: torch.Tensor):
     return triton_kernels
 
 
-def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) -> torch.Tensor:
-    """`[batch, heads, rank]` x `[batch, kv_heads, seq, rank]` -> `[batch, heads, seq]`; see `reference`."""
-    impl = _triton_for(latents) or reference
-    return impl.latent_scores(q_latent, latents, groups)
-
-
 def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: torch.Tensor, groups: int,
                           chunk: int) -> torch.Tensor:
     """`[batch, heads, chunks, rank]`, `[batch, heads, chunks]` x `[batch, kv_heads, seq, rank]` -> `[batch, heads,
@@ -128,6 +122,28 @@ def attend(latents: torch.Tensor, table: ComponentTable, rows: torch.Tensor, mea
 
 
 @_labelled
+def leading_scores(latents: torch.Tensor, table: ComponentTable, components: torch.Tensor, max_rank: int,
+                   q_latent: torch.Tensor, q_bias: torch.Tensor, groups: int, chunk: int) -> torch.Tensor:
+    """Stored latents `[batch, tokens, width]` scored by one query per chunk of `chunk` tokens against the table's
+    coefficients: q_latent `[batch, heads, chunks, max_rank]`, q_bias `[batch, heads, chunks]` -> float32 `[batch,
+    heads, tokens]`; see `reference.leading_scores`. On CPU one pass over the codes (the query put in table order);
+    elsewhere the coefficients unpacked, then `chunked_latent_scores`."""
+    ext = _cpu_for(latents)
+    q_latent, q_bias = q_latent.float(), q_bias.float()
+    if ext is None:
+        coeffs = table.spread(unpack(latents, table), components, max_rank)
+        return chunked_latent_scores(q_latent, q_bias, coeffs, groups, chunk)
+    batch, heads, chunks, _ = q_latent.shape
+    kv_heads = table.heads
+    # each head's query in its components' order: slot s of head h reads rank index components[...] - h * max_rank
+    order = torch.full((kv_heads * table.widest,), max_rank, dtype=torch.long, device=latents.device)
+    order[(table.head * table.widest + table.slot).long()] = components.long() - table.head.long() * max_rank
+    padded = torch.nn.functional.pad(q_latent, (0, 1)).view(batch, kv_heads, groups, chunks, max_rank + 1)
+    q = padded.gather(4, order.view(1, kv_heads, 1, 1, table.widest).expand(batch, -1, groups, chunks, -1))
+    return ext.leading_scores(latents.contiguous(), *table.kernel_args(), q.contiguous(), q_bias.contiguous(), chunk)
+
+
+@_labelled
 def encode(coeffs: torch.Tensor, table: ComponentTable, components: torch.Tensor, width: int) -> torch.Tensor:
     """float32 coefficients `[batch, heads, tokens, max_rank]` -> fixed-rate codes uint8 `[batch, tokens, width]`;
     see `reference.encode`."""
@@ -138,5 +154,5 @@ def encode(coeffs: torch.Tensor, table: ComponentTable, components: torch.Tensor
     return ext.encode(coeffs, *table.kernel_args(), components.to(torch.int32).contiguous(), width)
 
 
-__all__ = ["ComponentTable", "attend", "chunked_latent_scores", "encode", "latent_scores", "reconstruct", "reference",
+__all__ = ["ComponentTable", "attend", "chunked_latent_scores", "encode", "leading_scores", "reconstruct", "reference",
            "unpack"]

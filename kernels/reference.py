@@ -14,15 +14,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) -> torch.Tensor:
-    """Scores of queries against cached latents, in the latent space.
-
-    q_latent: `[batch, heads, rank]`; latents: `[batch, kv_heads, seq, rank]` with heads = kv_heads * groups.
-    Returns `[batch, heads, seq]`: q_latent[b, h] . latents[b, h // groups, t].
-    """
-    return torch.einsum("bhr,bhtr->bht", q_latent, latents.repeat_interleave(groups, dim=1))
-
-
 def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: torch.Tensor, groups: int,
                           chunk: int) -> torch.Tensor:
     """Scores in the latent space with one query per chunk of `chunk` consecutive tokens.
@@ -121,6 +112,16 @@ def unpack(latents: torch.Tensor, table: ComponentTable) -> torch.Tensor:
     out = coeffs.new_zeros(batch, tokens, table.heads * table.widest)
     out[..., (table.head * table.widest + table.slot).long()] = coeffs
     return out.view(batch, tokens, table.heads, table.widest).transpose(1, 2)
+
+
+def leading_scores(latents: torch.Tensor, table: ComponentTable, components: torch.Tensor, max_rank: int,
+                   q_latent: torch.Tensor, q_bias: torch.Tensor, groups: int, chunk: int) -> torch.Tensor:
+    """Stored latents `[batch, tokens, width]` scored in the latent space, one query per chunk of `chunk` tokens:
+    the table's coefficients by component (`components`: flat indices `head * max_rank + j`, as given to
+    `ComponentTable.build`) against q_latent `[batch, heads, chunks, max_rank]`, plus q_bias `[batch, heads,
+    chunks]` -> `[batch, heads, tokens]` (`chunked_latent_scores` of the unpacked coefficients)."""
+    coeffs = table.spread(unpack(latents, table), components, max_rank)
+    return chunked_latent_scores(q_latent, q_bias, coeffs, groups, chunk)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rot: int) -> torch.Tensor:

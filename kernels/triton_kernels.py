@@ -46,13 +46,6 @@ def chunked_latent_scores(q_latent: torch.Tensor, bias: torch.Tensor, latents: t
     return out.to(q_latent.dtype)
 
 
-def latent_scores(q_latent: torch.Tensor, latents: torch.Tensor, groups: int) -> torch.Tensor:
-    """One chunk holding every token: the chunked kernel with a single query per head and no bias."""
-    seq = latents.shape[2]
-    return chunked_latent_scores(q_latent.unsqueeze(2), q_latent.new_zeros(q_latent.shape[:2] + (1,)), latents,
-                                 groups, max(seq, 1))
-
-
 @triton.jit
 def _unpack_kernel(lat_ptr, byte_ptr, shift_ptr, mask_ptr, step_ptr, offset_ptr, wide_ptr, head_ptr, slot_ptr, out_ptr,
                    tokens, width, comps, heads, widest, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):

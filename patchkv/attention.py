@@ -250,7 +250,7 @@ def select(lp: LayerPatch, q: torch.Tensor, seen: Visible, mask: torch.Tensor | 
     ns, nm, nr = seen.sink_keys.shape[2], seen.middle_len, seen.window_keys.shape[2]
     bias = None if mask is None else _additive(mask)[:, :, -1, ns:ns + nm]
     chosen = lp.patch.plan.selector.choose(
-        codecs[0], seen.middle_keys, lambda coeffs: mode.approximate_scores(lp, q, coeffs, seen.middle_positions),
+        codecs[0], lambda rank: mode.approximate_scores(lp, q, seen.middle_keys, rank, seen.middle_positions),
         bias)  # [batch, kv_heads, k]
     batch, kv_heads, k = chosen.shape
     positions = seen.middle_positions.unsqueeze(1).expand(-1, kv_heads, -1).gather(2, chosen)

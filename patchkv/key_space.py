@@ -88,11 +88,12 @@ class Mode:
         widest]`."""
         raise NotImplementedError
 
-    def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, coeffs: torch.Tensor,
+    def approximate_scores(self, lp: LayerPatch, q: torch.Tensor, middle: torch.Tensor, rank: int,
                            positions: torch.Tensor) -> torch.Tensor:
-        """Scores of a single query `[batch, heads, 1, d]` (as `queries` returns it) against middle tokens from
-        their first r components `coeffs` `[batch, kv_heads, m, r]`, the mean term included (a KV head selects by
-        the best of its query heads, so no per-query-head offset may be dropped) -> float32 `[batch, heads, m]`."""
+        """Scores of a single query `[batch, heads, 1, d]` (as `queries` returns it) against the middle's keys as
+        stored `[batch, m, width]` (at `positions` `[batch, m]`) from their first `rank` components, read straight
+        from the codes (`Codec.leading_scores`), the mean term included (a KV head selects by the best of its query
+        heads, so no per-query-head offset may be dropped) -> float32 `[batch, heads, m]`."""
         raise NotImplementedError
 
     def cached_keys_as_rotated(self, lp: LayerPatch, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -139,9 +140,9 @@ class PreRoPE(Mode):
         return kernels.attend(seen.middle_keys, keys.table, keys.rows, keys.kernel_mean, rope, q, None, bias, scaling,
                               seen.middle_values, values.table, half=_half(keys))
 
-    def approximate_scores(self, lp, q, coeffs, positions):
+    def approximate_scores(self, lp, q, middle, rank, positions):
         basis, rotate = lp.keys.basis, lp.patch.adapter.rotate
-        m, r = coeffs.shape[2], coeffs.shape[3]
+        m, r = middle.shape[1], rank
         chunks = -(-m // SCORE_CHUNK)
         centres = (torch.arange(chunks, device=positions.device) * SCORE_CHUNK + SCORE_CHUNK // 2).clamp_max(m - 1)
         q = q.float()
@@ -161,7 +162,7 @@ class PreRoPE(Mode):
             q_ref = rotate(q.expand(-1, -1, chunks, -1), ref_cos, -ref_sin)  # [batch, heads, chunks, d]
         q_latent = q_ref @ query_basis
         bias = (q_ref * query_mean.unsqueeze(1)).sum(-1)
-        return kernels.chunked_latent_scores(q_latent, bias, coeffs.float(), basis.query_groups, SCORE_CHUNK)
+        return lp.keys.leading_scores(middle.unsqueeze(1), r, q_latent, bias, SCORE_CHUNK)
 
 
 class PostRoPE(Mode):
@@ -188,13 +189,13 @@ class PostRoPE(Mode):
         return kernels.attend(seen.middle_keys, keys.table, keys.rows, keys.kernel_mean, None, q_latent, q_bias, bias,
                               scaling, seen.middle_values, values.table, latent_space=True)
 
-    def approximate_scores(self, lp, q, coeffs, positions):
+    def approximate_scores(self, lp, q, middle, rank, positions):
         basis = lp.keys.basis
         q = q.float()
-        q_latent = (q @ basis.query_basis.float())[:, :, 0, : coeffs.shape[-1]]
+        q_latent = (q @ basis.query_basis.float())[..., :rank]  # [batch, heads, 1, rank]: one chunk, every token
         # q . mean differs between the query heads of one KV head, which keeps the best for any of them: kept
-        mean = (q * basis.query_mean.float().unsqueeze(1)).sum(-1)[:, :, 0]
-        return kernels.latent_scores(q_latent, coeffs.float(), basis.query_groups) + mean.unsqueeze(-1)
+        mean = (q * basis.query_mean.float().unsqueeze(1)).sum(-1)  # [batch, heads, 1]
+        return lp.keys.leading_scores(middle.unsqueeze(1), rank, q_latent, mean, max(1, middle.shape[1]))
 
 
 MODES: dict[str, Mode] = {mode.name: mode for mode in (PreRoPE(), PostRoPE())}

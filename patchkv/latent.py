@@ -126,9 +126,12 @@ class Codec:
         padded[(table.head * table.widest + table.slot).long()] = self.rows
         self.padded_rows = padded.view(basis.heads, table.widest, basis.head_dim)
 
-    def leading(self, stored: torch.Tensor, rank: int) -> torch.Tensor:
-        """The first `rank` coefficients of every stored token: `[batch, 1, seq, width]` -> float32 `[batch, kv_heads,
-        seq, rank]`, only those components read (top-k scores candidates from them)."""
+    def leading_scores(self, stored: torch.Tensor, rank: int, q_latent: torch.Tensor, q_bias: torch.Tensor,
+                       chunk: int) -> torch.Tensor:
+        """Top-k's candidate scores from the first `rank` coefficients of every stored token `[batch, 1, seq,
+        width]`, only those components read: one query per chunk of `chunk` tokens, q_latent `[batch, heads,
+        chunks, rank]` and q_bias `[batch, heads, chunks]` -> float32 `[batch, heads, seq]` (`kernels.leading_scores`:
+        straight from the codes, no float copy of the middle)."""
         cached = self._leading
         if rank not in cached or cached[rank][0].byte.device != stored.device:
             keep = (self.components % self.basis.max_rank) < rank
@@ -140,7 +143,8 @@ class Codec:
                 ("shift", "mask", "step", "offset", "wide"), (x.cpu() for x in rows[1:])))).to(stored.device)
             cached[rank] = (table, components.to(stored.device))
         table, components = cached[rank]
-        return table.spread(kernels.unpack(stored.squeeze(1), table), components, rank)
+        return kernels.leading_scores(stored.squeeze(1), table, components, rank, q_latent, q_bias,
+                                      self.basis.query_groups, chunk)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Vectors `[batch, kv_heads, seq, head_dim]` -> stored form `[batch, 1, seq, width]`."""

@@ -5,6 +5,8 @@ head dims that are and are not a multiple of the vector width, full and half RoP
 batches, blocks of tokens that do not divide the length. `setup.sh` builds the kernels; with
 `PATCHKV_CPU_KERNELS=0` they are off and these tests are skipped (anywhere else a failed build fails them)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -136,14 +138,23 @@ def test_encode_equals_its_reference(ext, name):
 
 
 @pytest.mark.parametrize("name", list(CODECS))
-def test_leading_coefficients_are_the_first_of_the_decoded(name):
-    """`Codec.leading(stored, r)` (top-k's candidate scoring reads only those components) equals the first r of the
-    full decode, on the kernels and on the reference."""
+def test_leading_scores_are_those_of_the_first_coefficients(ext, name, monkeypatch):
+    """`Codec.leading_scores` (top-k's candidate scores, read from the codes) equals one query per chunk against the
+    first r of the full decode, on the kernel and on the reference."""
     codec = CODECS[name](64)
     latents = stored(codec, 2, 70, seed=4).unsqueeze(1)
     full = codec.decode(latents).float()
-    for rank in (1, 3, codec.basis.max_rank):
-        assert torch.allclose(codec.leading(latents, rank), full[..., :rank], rtol=1e-6, atol=1e-6)
+    g = torch.Generator().manual_seed(5)
+    heads = codec.basis.heads * codec.basis.query_groups
+    for rank, chunk in itertools.product({1, min(3, codec.basis.max_rank), codec.basis.max_rank}, (16, 70)):
+        chunks = -(-70 // chunk)
+        q, bias = torch.randn(2, heads, chunks, rank, generator=g), torch.randn(2, heads, chunks, generator=g)
+        want = reference.chunked_latent_scores(q, bias, full[..., :rank], codec.basis.query_groups, chunk)
+        got = codec.leading_scores(latents, rank, q, bias, chunk)
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+        with monkeypatch.context() as off:
+            off.setattr(cpu, "extension", lambda: None)
+            assert torch.allclose(codec.leading_scores(latents, rank, q, bias, chunk), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["codes, random", "codes, a head with none", "floats"])

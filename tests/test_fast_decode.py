@@ -98,7 +98,8 @@ def test_pre_rope_latent_scores_equal_keys_rotated_to_their_chunk_reference(pre_
         q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
         cos, sin = lp.rope.at(torch.tensor([[seq]]), like=q)
         q_rot = lp.patch.mode.queries(lp, q, cos, sin)
-        scores = key_space.PreRoPE().approximate_scores(lp, q_rot, coeffs[..., :8], positions)
+        scores = key_space.PreRoPE().approximate_scores(lp, q_rot, layer.tensors["latent_keys"].squeeze(1), 8,
+                                                        positions)
         centres = (torch.arange(seq) // key_space.SCORE_CHUNK * key_space.SCORE_CHUNK + key_space.SCORE_CHUNK // 2).clamp_max(seq - 1)
         keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :8], (0, 8)))
         rotated = rotate_at(lp.rope, keys, positions[:, centres])
@@ -120,7 +121,8 @@ def test_post_rope_latent_scores_are_the_scores_of_the_truncated_keys():
         means = (q * lp.keys.basis.query_mean.unsqueeze(1)).sum(-1).view(2, 2)
         assert (means[:, 0] - means[:, 1]).abs().min() > 1e-3  # the term matters within each group
         for r in (16, 8):
-            scores = key_space.PostRoPE().approximate_scores(lp, q, coeffs[..., :r], layer._positions(seq))
+            scores = key_space.PostRoPE().approximate_scores(lp, q, layer.tensors["latent_keys"].squeeze(1), r,
+                                                             layer._positions(seq))
             keys = lp.keys.basis.reconstruct(torch.nn.functional.pad(coeffs[..., :r], (0, 16 - r)))
             expected = (q.view(1, 2, 2, 16) @ keys.transpose(-1, -2)).view(1, 4, seq)
             assert torch.allclose(scores, expected, atol=1e-4)

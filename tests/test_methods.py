@@ -9,6 +9,7 @@ from conftest import calibration_ids, fed_in_chunks, make_model
 import patchkv
 from patchkv.allocation import kv_bytes_per_token
 from patchkv.kernels import ops as kernels
+from patchkv.key_space import SCORE_CHUNK
 from patchkv.quantize import GAUSSIAN_MSE, CoefficientQuantizer, allocate_bits
 
 
@@ -163,12 +164,12 @@ def test_top_k_uses_latent_scoring_and_error_grows_as_k_shrinks(mode, monkeypatc
     errors = []
     for k in (38, 24, 4):  # the decode step's middle holds 37 tokens: k = 38 selects nothing, it is dense
         if k < 38:
-            for name in ("latent_scores", "chunked_latent_scores"):
-                original = getattr(kernels, name)
-                monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+            original = kernels.leading_scores
+            monkeypatch.setattr(kernels, "leading_scores", lambda *a, _f=original: calls.append(a[4].shape[2]) or _f(*a))
         logits = decode_step_logits(model, full, prompt, sink_tokens=1, window=2, top_k=k, top_k_rank=8)
         errors.append((logits - dense).abs().max().item())
         monkeypatch.undo()
     assert errors[0] < 1e-5 < errors[2] and errors[1] <= errors[2]
-    # candidates are scored in the latent space (the kernels have no dense scores of every middle token)
-    assert calls and set(calls) == ({"latent_scores"} if mode == "post_rope" else {"chunked_latent_scores"})
+    # candidates are scored in the latent space from the codes (no dense scores of every middle token): post-RoPE
+    # one query for the whole middle, pre-RoPE one per chunk
+    assert calls and set(calls) == ({1} if mode == "post_rope" else {-(-37 // SCORE_CHUNK)})

@@ -109,13 +109,11 @@ class Selector(Method):
         """Whether a forward of `query_len` queries over a middle of `middle_len` latent tokens selects."""
         raise NotImplementedError
 
-    def choose(self, codec: Codec, middle: torch.Tensor, score: Callable[[torch.Tensor], torch.Tensor],
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """The middle tokens each KV head reads at this decode step. codec: the layer's key codec; middle: the
-        middle's keys as stored, `[batch, m, width]`; score: the mode's scores of this step's query against leading
-        key coefficients `[batch, kv_heads, m, r]` -> float32 `[batch, heads, m]`; bias: the mask's middle columns
-        for this query, additive float32 `[batch, 1 or heads, m]`, or None -> sorted indices `[batch, kv_heads, k]`
-        into the middle."""
+    def choose(self, codec: Codec, score: Callable[[int], torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+        """The middle tokens each KV head reads at this decode step. codec: the layer's key codec; score: the mode's
+        scores of this step's query against the middle's keys from their first r components, read from the stored
+        codes: r -> float32 `[batch, heads, m]`; bias: the mask's middle columns for this query, additive float32
+        `[batch, 1 or heads, m]`, or None -> sorted indices `[batch, kv_heads, k]` into the middle."""
         raise NotImplementedError
 
     def configure(self, plan: CachePlan) -> CachePlan:

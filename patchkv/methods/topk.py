@@ -1,10 +1,10 @@
 """`TopK`: at each decode step, attend to the `k` latent tokens per KV head that score best.
 
-Candidates are scored in the latent space from their first `rank` key components, without reconstructing
-keys (post-RoPE: the projected query against latents, exact at full rank, kernel `latent_scores`; pre-RoPE:
-per chunk of `patchkv.key_space.SCORE_CHUNK` tokens, the query turned back by the rotation of the chunk's
-centre position and projected onto the basis, kernel `chunked_latent_scores`, approximate by the rotation
-between a token and its chunk's centre; the mode's `approximate_scores`). A KV head keeps the tokens that score
+Candidates are scored in the latent space from their first `rank` key components, read straight from the
+stored codes without reconstructing keys (kernel `leading_scores`; post-RoPE: the projected query against latents,
+exact at full rank; pre-RoPE: per chunk of `patchkv.key_space.SCORE_CHUNK` tokens, the query turned back by the
+rotation of the chunk's centre position and projected onto the basis, approximate by the rotation between a token
+and its chunk's centre; the mode's `approximate_scores`). A KV head keeps the tokens that score
 best for any of its query heads (`select`); attention reconstructs (and rotates) only those and runs exactly over
 sinks, those tokens and the window. Prefill (more than one query) is dense.
 """
@@ -37,12 +37,11 @@ class TopK(Selector):
     def applies(self, query_len: int, middle_len: int) -> bool:
         return query_len == 1 and middle_len >= self.k
 
-    def choose(self, codec: Codec, middle: torch.Tensor, score: Callable[[torch.Tensor], torch.Tensor],
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def choose(self, codec: Codec, score: Callable[[int], torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
         """Scores every middle token from its first `rank` key components (masked columns by `bias`) and keeps each
-        KV head's `k` best (`select`): sorted indices `[batch, kv_heads, k]` into the middle `[batch, m, width]`."""
+        KV head's `k` best (`select`): sorted indices `[batch, kv_heads, k]` into the middle."""
         rank = min(self.rank or codec.basis.max_rank, codec.basis.max_rank)
-        scores = score(codec.leading(middle.unsqueeze(1), rank))  # [batch, heads, m]
+        scores = score(rank)  # [batch, heads, m]
         if bias is not None:
             scores = scores + bias
         return self.select(scores, codec.basis.query_groups)
