@@ -424,31 +424,42 @@ void dispatch_latents(const torch::Tensor& latents, Fn&& fn) {
   }
 }
 
+// Runs fn(b, n0, count, block, pad, scratch) over every block of `BLOCK` stored tokens of each sequence (`block`
+// its first token's row, `pad` its padded copy for unpack_block), blocks split between threads; `scratch()` makes
+// each thread's working buffers once.
+template <typename T, typename Scratch, typename Fn>
+void over_blocks(const T* src, int64_t B, int64_t N, int64_t W, Scratch&& scratch, Fn&& fn) {
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
+    auto buffers = scratch();
+    std::vector<uint8_t> copy;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
+      const T* block = src + (b * N + n0) * W;
+      fn(b, n0, count, block, padded(block, W, count, copy), buffers);
+    }
+  });
+}
+
 // Runs `consume(b, h, n0, count, keys)` over every block of tokens and head: keys [count, D] rebuilt (and rotated
 // if rope is on). Blocks are split between threads.
 template <typename T, typename Consume>
 void for_each_block(const T* src, int64_t B, int64_t N, int64_t W, const Table& t, const Rebuilder& rebuild,
                     int64_t D, const Rope& rope, Consume&& consume) {
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK, H = t.heads;
-  at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> coef(BLOCK * t.widest), keys(BLOCK * D);
-    std::vector<uint8_t> buffer;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
-      const T* block = src + (b * N + n0) * W;
-      const uint8_t* pad = padded(block, W, count, buffer);
-      for (int64_t h = 0; h < H; ++h) {
-        unpack_block(block, W, count, t, h, coef.data(), t.widest, pad);
-        for (int64_t j = 0; j < count; j += TB)
-          rebuild(coef.data() + j * t.widest, t.widest, std::min<int64_t>(TB, count - j), h, keys.data() + j * D);
-        if (rope.on())
-          for (int64_t j = 0; j < count; ++j) {
-            const int64_t p = rope.positions[b * N + n0 + j];
-            TORCH_CHECK(p >= 0 && p < rope.table_rows, "rope: position ", p, " outside the table");
-            rotate(keys.data() + j * D, rope.cos + p * rope.width, rope.sin + p * rope.width, rope.rot, rope.width);
-          }
-        consume(b, h, n0, count, keys.data(), block, pad);
-      }
+  struct Buffers { std::vector<float> coef, keys; };
+  over_blocks(src, B, N, W, [&] { return Buffers{std::vector<float>(BLOCK * t.widest), std::vector<float>(BLOCK * D)}; },
+              [&](int64_t b, int64_t n0, int64_t count, const T* block, const uint8_t* pad, Buffers& s) {
+    for (int64_t h = 0; h < t.heads; ++h) {
+      unpack_block(block, W, count, t, h, s.coef.data(), t.widest, pad);
+      for (int64_t j = 0; j < count; j += TB)
+        rebuild(s.coef.data() + j * t.widest, t.widest, std::min<int64_t>(TB, count - j), h, s.keys.data() + j * D);
+      if (rope.on())
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t p = rope.positions[b * N + n0 + j];
+          TORCH_CHECK(p >= 0 && p < rope.table_rows, "rope: position ", p, " outside the table");
+          rotate(s.keys.data() + j * D, rope.cos + p * rope.width, rope.sin + p * rope.width, rope.rot, rope.width);
+        }
+      consume(b, h, n0, count, s.keys.data(), block, pad);
     }
   });
 }
@@ -469,16 +480,11 @@ torch::Tensor unpack(torch::Tensor latents, torch::Tensor head_start, torch::Ten
   auto out = torch::zeros({B, H, N, t.widest}, torch::kFloat32);
   float* o = out.data_ptr<float>();
   dispatch_latents(latents, [&](auto* src) {
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-    at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> buffer;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
-        const auto* block = src + (b * N + n0) * W;
-        const uint8_t* pad = padded(block, W, count, buffer);
-        for (int64_t h = 0; h < H; ++h)
-          unpack_block(block, W, count, t, h, o + ((b * H + h) * N + n0) * t.widest, t.widest, pad);
-      }
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
+    over_blocks(src, B, N, W, [] { return 0; },
+                [&](int64_t b, int64_t n0, int64_t count, const T* block, const uint8_t* pad, int) {
+      for (int64_t h = 0; h < H; ++h)
+        unpack_block(block, W, count, t, h, o + ((b * H + h) * N + n0) * t.widest, t.widest, pad);
     });
   });
   return out;
@@ -674,24 +680,18 @@ torch::Tensor leading_scores(torch::Tensor latents, torch::Tensor head_start, to
   const float* qp = q.data_ptr<float>();
   const float* qb = q_bias.data_ptr<float>();
   dispatch_latents(latents, [&](auto* src) {
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-    at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> coef(BLOCK * t.widest);
-      std::vector<uint8_t> buffer;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / blocks, n0 = (i % blocks) * BLOCK, count = std::min(BLOCK, N - n0);
-        const auto* block = src + (b * N + n0) * W;
-        const uint8_t* pad = padded(block, W, count, buffer);
-        for (int64_t h = 0; h < H; ++h) {
-          const int64_t K = t.head_start[h + 1] - t.head_start[h];
-          unpack_block(block, W, count, t, h, coef.data(), t.widest, pad);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t row = (b * H + h) * G + g;
-            float* scores = o + row * N + n0;
-            for (int64_t j = 0; j < count; ++j) {
-              const int64_t c = (n0 + j) / chunk;
-              scores[j] = dot(qp + (row * chunks + c) * t.widest, coef.data() + j * t.widest, K) + qb[row * chunks + c];
-            }
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
+    over_blocks(src, B, N, W, [&] { return std::vector<float>(BLOCK * t.widest); },
+                [&](int64_t b, int64_t n0, int64_t count, const T* block, const uint8_t* pad, std::vector<float>& coef) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t K = t.head_start[h + 1] - t.head_start[h];
+        unpack_block(block, W, count, t, h, coef.data(), t.widest, pad);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = (b * H + h) * G + g;
+          float* scores = o + row * N + n0;
+          for (int64_t j = 0; j < count; ++j) {
+            const int64_t c = (n0 + j) / chunk;
+            scores[j] = dot(qp + (row * chunks + c) * t.widest, coef.data() + j * t.widest, K) + qb[row * chunks + c];
           }
         }
       }
