@@ -126,8 +126,9 @@ def leading_scores(latents: torch.Tensor, table: ComponentTable, components: tor
                    q_latent: torch.Tensor, q_bias: torch.Tensor, groups: int, chunk: int) -> torch.Tensor:
     """Stored latents `[batch, tokens, width]` scored by one query per chunk of `chunk` tokens against the table's
     coefficients: q_latent `[batch, heads, chunks, max_rank]`, q_bias `[batch, heads, chunks]` -> float32 `[batch,
-    heads, tokens]`; see `reference.leading_scores`. On CPU one pass over the codes (the query put in table order);
-    elsewhere the coefficients unpacked, then `chunked_latent_scores`."""
+    heads, tokens]`: `chunked_latent_scores` of the coefficients by component (`components`: flat indices `head *
+    max_rank + j`, as given to `ComponentTable.build`). On CPU one pass over the codes (the query put in table
+    order); elsewhere, and as the tests' oracle, the coefficients unpacked and spread, then scored."""
     ext = _cpu_for(latents)
     q_latent, q_bias = q_latent.float(), q_bias.float()
     if ext is None:

@@ -114,16 +114,6 @@ def unpack(latents: torch.Tensor, table: ComponentTable) -> torch.Tensor:
     return out.view(batch, tokens, table.heads, table.widest).transpose(1, 2)
 
 
-def leading_scores(latents: torch.Tensor, table: ComponentTable, components: torch.Tensor, max_rank: int,
-                   q_latent: torch.Tensor, q_bias: torch.Tensor, groups: int, chunk: int) -> torch.Tensor:
-    """Stored latents `[batch, tokens, width]` scored in the latent space, one query per chunk of `chunk` tokens:
-    the table's coefficients by component (`components`: flat indices `head * max_rank + j`, as given to
-    `ComponentTable.build`) against q_latent `[batch, heads, chunks, max_rank]`, plus q_bias `[batch, heads,
-    chunks]` -> `[batch, heads, tokens]` (`chunked_latent_scores` of the unpacked coefficients)."""
-    coeffs = table.spread(unpack(latents, table), components, max_rank)
-    return chunked_latent_scores(q_latent, q_bias, coeffs, groups, chunk)
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rot: int) -> torch.Tensor:
     """Rotate-half RoPE over the first `rot` dims of x `[batch, heads, n, d]` at `positions` `[batch, n]`, from
     tables cos, sin `[positions, rot]` (or `[positions, rot / 2]`: both halves the same rotation)."""
