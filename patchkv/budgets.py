@@ -59,7 +59,7 @@ def check_context(context: int) -> None:
 def salient_bytes(artifact, salience: Salience | None, coded: int) -> int:
     """Bytes a `salience` method's kept tokens take over `coded` coded tokens (middle and near): per KV head of every
     full-attention layer (a sliding-window layer keeps none), `capacity(coded)` key and value copies (16-bit, or int8
-    with their scales: `Salience.copy_bytes`) with their index and score."""
+    or int4 with their scales: `Salience.copy_bytes`) with their index and score."""
     if salience is None:
         return 0
     per_head = salience.copy_bytes(artifact.head_dim) + SALIENT_INDEX_BYTES
@@ -75,7 +75,7 @@ def exact_tokens(held: int, context: int, sink_tokens: int, window: int) -> int:
 
 def exact_bytes(artifact, held: list[int], context: int, sink_tokens: int, window: int, window_bits: int = 16) -> int:
     """Bytes the exact regions take over every layer after `context` tokens, each layer holding `held` of them: the
-    sinks in 16 bits, the window in `window_bits` (16, or int8 with a float32 scale per token, head and kind)."""
+    sinks in 16 bits, the window in `window_bits` (16, or int8 / int4 with a float32 scale per token, head and kind)."""
     per_token = {bits: artifact.num_kv_heads * token_kv_bytes(artifact.head_dim, bits) for bits in (16, window_bits)}
     total = 0
     for h in held:
@@ -91,7 +91,7 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
     `salience`'s exact tokens, or `near`'s tokens at its rate) whose whole cache at `context` tokens (exact sinks and
     window in 16 bits, codes, the near codes, the salient tokens, positions) holds at most the 16-bit cache's bytes /
-    `ratio` per token (the window in `window_bits`: 16, or int8 with its scales). Raises ValueError if even
+    `ratio` per token (the window in `window_bits`: 16, or int8 / int4 with its scales). Raises ValueError if even
     1 bit per head does not fit, and a context that is not a positive integer (`check_context`). `priced`: for
     `Quantized(bits, pool, context=context)`, the pool priced by the tokens each layer holds."""
     check_context(context)
@@ -113,7 +113,7 @@ def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_toke
         return (exact_total + codes + salient) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
-        kept = f"{sink_tokens} sinks and a {window}-token{' int8' if window_bits == 8 else ''} window" + (
+        kept = f"{sink_tokens} sinks and a {window}-token{f' int{window_bits}' if window_bits != 16 else ''} window" + (
             f" and {salience.spec()}" if salience else "")
         raise ValueError(f"a {ratio:g}x budget cannot be met at {context} tokens with {kept} kept exact: they alone "
                          f"take {total(1):.0f} bytes per token of the {full / ratio:.0f} allowed; use a longer "
@@ -136,7 +136,8 @@ class Budget:
     """A compression target: `ratio` against the 16-bit cache, or `bits` per KV head and token; `pool` None picks
     the global pool when the artifact has effect weights; `basis` "head" or "layer" (`Quantized`'s); `salience` a
     `Salience` method whose exact tokens the ratio pays for too (the codes get what is left); `regions` the
-    `SinksWindow` kept exact (None: `SinksWindow(*EXACT)`; an int8 or longer window is paid for from the same bytes)."""
+    `SinksWindow` kept exact (None: `SinksWindow(*EXACT)`; an int8 / int4 or longer window is paid for from the same
+    bytes)."""
 
     ratio: float | None = None
     bits: int | None = None
@@ -152,7 +153,7 @@ class Budget:
 
     @property
     def exact(self) -> SinksWindow:
-        """The sinks and window this budget keeps exact (or the window int8)."""
+        """The sinks and window this budget keeps exact (or the window int8 / int4)."""
         return self.regions or SinksWindow(*EXACT)
 
     def quantized(self, artifact, context: int) -> Quantized:

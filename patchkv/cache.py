@@ -6,11 +6,13 @@ pre-RoPE mode, rotated in post-RoPE mode):
     sink_keys, sink_values       [batch, kv_heads, sinks, head_dim]    exact
     latent_keys, latent_values   [batch, 1, middle, width]             the codec's latents or codes
     near_keys, near_values       [batch, 1, near, near width]          the newest codes, at the near rate
-    recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact, or int8 between forwards (SinksWindow(bits=8))
-    recent_scale                 [batch, kv_heads, window, 2 or 0]     an int8 window's key and value scales (float32)
-    salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience): exact, or int8
+    recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact, or int8 / int4 between forwards
+    recent_scale                 [batch, kv_heads, window, 2 or 0]     an int8 / int4 window's scales (float32)
+    salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience): exact, int8, int4
     salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
-    salient_scale                [batch, kv_heads, s, 2 or 0]          int8 copies' key and value scales (float32)
+    salient_scale                [batch, kv_heads, s, 2 or 0]          int8 / int4 copies' scales (float32)
+
+int4 copies and windows are stored two to a byte, `[..., head_dim / 2]` uint8 (`copy_layout`).
 
 These are the stored names (`patchkv.cache_file` writes them): `latent_*` hold the middle, `recent_*` the window
 (the regions' words are sinks, middle, near and window; the stored names stay as cache files hold them).
@@ -71,7 +73,7 @@ from .visible import Visible
 PAGE = 64
 SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score", "salient_scale")
 NEAR = ("near_keys", "near_values")
-#: an int8 window's scales (width 0 while the window is exact)
+#: an int8 / int4 window's scales (width 0 while the window is exact)
 WINDOW_SCALE = "recent_scale"
 #: every region a layer holds: sinks, middle and window, then a salience method's exact tokens, the near tokens and the
 #: window's scales
@@ -129,7 +131,7 @@ class LatentLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.salience = None if self.is_sliding else salience  # a sliding layer keeps only its last tokens
         self.near_tokens = near_tokens
-        self.window_bits = window_bits  # 8: the window held as int8 between forwards
+        self.window_bits = window_bits  # 8 / 4: the window held as int8 / int4 between forwards
         self.track = track if track is not None else PositionTrack()
         self.tensors: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # the middle's storage, `tensors` its first tokens
@@ -172,7 +174,7 @@ class LatentLayer(CacheLayerMixin):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
         t = self.tensors
-        if t[WINDOW_SCALE].shape[-1]:  # an int8 window: this forward reads it, and its own tokens, in the model's dtype
+        if t[WINDOW_SCALE].shape[-1]:  # an int8 / int4 window: this forward reads it and its own tokens in the model's dtype
             t["recent_keys"], t["recent_values"] = _read_copies(t, "recent", keys.dtype)
             t.update(no_window_scale(t["recent_keys"]))
         room = max(0, self.sink_tokens - self.cumulative_length)  # the sequence's first tokens (a sliding layer drops
@@ -186,8 +188,8 @@ class LatentLayer(CacheLayerMixin):
     def after_attention(self, observed: Observation | None = None) -> None:
         """The forward's attention is done: the tokens beyond the last `window` are encoded into the middle (scored
         for the salience method, with the forward's queries in `observed` for one that observes), and a sliding layer
-        keeps only the last `sliding_window - 1` tokens (all of them while recording); an int8 window is then held as
-        int8."""
+        keeps only the last `sliding_window - 1` tokens (all of them while recording); an int8 or int4 window is then
+        held so."""
         t = self.tensors
         leaving = t["recent_keys"].shape[2] - self.window
         if leaving > 0:
@@ -195,8 +197,9 @@ class LatentLayer(CacheLayerMixin):
                 self._encode(leaving, observed)
         if self.is_sliding and not self.record_past:
             self._keep_last(self.sliding_window - 1)
-        if self.window_bits == 8:
-            t["recent_keys"], t["recent_values"], t[WINDOW_SCALE] = _copies(t["recent_keys"], t["recent_values"], 8)
+        if self.window_bits != 16:
+            t["recent_keys"], t["recent_values"], t[WINDOW_SCALE] = _copies(t["recent_keys"], t["recent_values"],
+                                                                            self.window_bits)
         elif t[WINDOW_SCALE].shape[2] != t["recent_keys"].shape[2]:  # an exact window: no scales, one per token
             t.update(no_window_scale(t["recent_keys"]))
 
@@ -569,11 +572,12 @@ class LatentCache(Cache):
                  f"{sum(t.nbytes() for t in tables.values())})"]
         for i, layer in enumerate(self.layers):
             kind = f"sliding {layer.sliding_window} (latents only)" if layer.is_sliding else "full"
-            copies = "exact" if layer.salience is None or layer.salience.bits == 16 else "as int8 copies"
+            copies = "exact" if layer.salience is None or layer.salience.bits == 16 else \
+                f"as int{layer.salience.bits} copies"
             salient = f" ({layer.salient_len} per KV head also {copies})" if layer.salient_len else ""
-            int8 = " (int8)" if layer.window_bits == 8 else ""
+            held = f" (int{layer.window_bits})" if layer.window_bits != 16 else ""
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}{salient}, "
-                         f"window {layer.window_len}{int8}, {layer.nbytes()} bytes")
+                         f"window {layer.window_len}{held}, {layer.nbytes()} bytes")
         return "\n".join(lines)
 
 
@@ -604,23 +608,41 @@ def no_salient(keys: torch.Tensor, values: torch.Tensor, salience: Salience | No
             "salient_score": keys.new_zeros(shape, dtype=torch.float32), "salient_scale": empty[2]}
 
 
+def copy_layout(bits: int, dtype: torch.dtype, head_dim: int) -> tuple[torch.dtype, int, int]:
+    """How keys or values of `head_dim` held at `bits` (`COPY_BITS`) are stored: (dtype, width, scale width): the
+    model's `dtype` at 16 bits, no scale; int8 at 8; int4 two to a byte (uint8, `head_dim / 2`) at 4; a float32 scale
+    per token, head and kind, for each of keys and values (2) at 8 and 4."""
+    if bits == 16:
+        return dtype, head_dim, 0
+    return (torch.int8, head_dim, 2) if bits == 8 else (torch.uint8, head_dim // 2, 2)
+
+
 def _copies(keys: torch.Tensor, values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys and values `[batch, kv_heads, n, head_dim]` as a salience method holds its copies, and their scales
-    `[batch, kv_heads, n, 2]` float32: at 16 bits the tensors themselves and no scale (width 0); at 8, int8 with a
-    symmetric scale per token, head and kind (the largest magnitude at 127)."""
+    """Keys and values `[batch, kv_heads, n, head_dim]` as a salience method holds its copies (and a window its
+    tokens), and their scales `[batch, kv_heads, n, 2]` float32 (`copy_layout`): at 16 bits the tensors themselves and
+    no scale (width 0); at 8, int8 with a symmetric scale per token, head and kind (the largest magnitude at 127); at 4,
+    the same at 7, each level stored as level + 8 in one half of a byte (even components in the low half)."""
     if bits == 16:
         return keys, values, keys.new_zeros((*keys.shape[:3], 0), dtype=torch.float32)
-    scales = [x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127 for x in (keys, values)]
-    codes = [(x.float() / scale).round().clamp(-127, 127).to(torch.int8) for x, scale in zip((keys, values), scales)]
+    top = 2 ** (bits - 1) - 1
+    scales = [x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / top for x in (keys, values)]
+    levels = [(x.float() / scale).round().clamp(-top, top) for x, scale in zip((keys, values), scales)]
+    if bits == 8:
+        codes = [x.to(torch.int8) for x in levels]
+    else:
+        codes = [(x + 8).to(torch.uint8) for x in levels]
+        codes = [x[..., 0::2] | (x[..., 1::2] << 4) for x in codes]
     return codes[0], codes[1], torch.cat(scales, dim=-1)
 
 
 def _read_copies(tensors: dict[str, torch.Tensor], region: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's keys and values of `region` ("salient" copies or the "recent" window) `[batch, kv_heads, s, head_dim]`
-    in `dtype`, int8 ones scaled back by the region's scales."""
+    in `dtype`, int8 and int4 ones scaled back by the region's scales."""
     keys, values, scale = tensors[f"{region}_keys"], tensors[f"{region}_values"], tensors[f"{region}_scale"]
     if not scale.shape[-1]:
         return keys, values
+    if keys.dtype == torch.uint8:  # int4, two to a byte
+        keys, values = (torch.stack([x & 15, x >> 4], dim=-1).flatten(-2).float() - 8 for x in (keys, values))
     return (keys.float() * scale[..., :1]).to(dtype), (values.float() * scale[..., 1:]).to(dtype)
 
 

@@ -18,13 +18,14 @@ One safetensors file. Tensors, for each layer `i` and each region `r` of `patchk
 
     positions          int32 [batch, seen]      true position of every token (the cache's position track)
     layers.{i}.{r}     the region as held       encoding "raw" (the salient regions of a `Salience` method:
-                                                key and value copies (exact, or int8 with their float32
-                                                scales in `salient_scale`, width 2; width 0 for exact
+                                                key and value copies (exact, or int8 / int4 with their
+                                                float32 scales in `salient_scale`, width 2; int4 two to a
+                                                byte, uint8 `[..., head_dim / 2]`; width 0 for exact
                                                 copies), int32 coded index (over the middle, then the near
                                                 tokens), float32 score, each `[batch, kv_heads, s, ...]`;
                                                 zero-sized without one; the near
                                                 regions of `NearCodes`, zero-sized without it; the window
-                                                exact, or int8 with its float32 scales in `recent_scale`,
+                                                exact, or int8 / int4 with its float32 scales in `recent_scale`,
                                                 `[batch, kv_heads, window, 2]`, width 0 for an exact window)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
@@ -41,7 +42,8 @@ layer holds all its regions (or none does, for an empty cache) and all have seen
 the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
 and those are what the layer's patch holds: exact regions in the patch's dtype `[batch, kv_heads, n, head_dim]`, the
 middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient copies and the window in the
-patch's dtype (or int8 with 2 scales), salient indices int32 and scores float32, one
+patch's dtype (or int8, or int4 two to a byte, with 2 scales: `patchkv.cache.copy_layout`), salient indices int32 and
+scores float32, one
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
 sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
 in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
@@ -66,7 +68,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, no_near, no_salient, no_window_scale
+from .cache import (NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, copy_layout, no_near, no_salient,
+                    no_window_scale)
 from .errors import PatchKVError
 from .lossless import InflateError, check_compress, deflate, inflate
 
@@ -273,19 +276,20 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
     dtype, heads = lp.patch.dtype, lp.keys.basis.heads
     exact = {kind: (dtype, (batch, heads, getattr(lp, kind).basis.head_dim), f"exact {kind}")
              for kind in ("keys", "values")}
-    patterns = {f"{region}_{kind}": exact[kind] for region in ("sink", "recent", "salient") for kind in exact}
-    int8 = layer.salience is not None and layer.salience.bits == 8
-    for region, held_int8 in (("salient", int8), ("recent", layer.window_bits == 8)):
-        for kind in ("keys", "values") if held_int8 else ():
-            patterns[f"{region}_{kind}"] = (torch.int8, exact[kind][1], f"int8 {region} {kind}")
+    patterns = {f"sink_{kind}": exact[kind] for kind in exact}
+    copied = 16 if layer.salience is None else layer.salience.bits
+    for region, bits in (("salient", copied), ("recent", layer.window_bits)):
+        for kind in ("keys", "values"):
+            held, width, scales = copy_layout(bits, dtype, exact[kind][1][2])
+            patterns[f"{region}_{kind}"] = (held, (batch, heads, width), f"{'exact' if bits == 16 else f'int{bits}'} "
+                                                                         f"{region} {kind}")
+        patterns[f"{region}_scale"] = (torch.float32, (batch, heads, scales), f"the {region} tokens' scales")
     for kind in ("keys", "values"):
         for region, codec in (("latent", getattr(lp, kind)), ("near", getattr(lp, f"near_{kind}"))):
             patterns[f"{region}_{kind}"] = (codec.stored_dtype, (batch, 1, codec.width),
                                             f"the {kind}' {codec.describe()}")
     patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient coded indices")
     patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
-    patterns["salient_scale"] = (torch.float32, (batch, heads, 2 if int8 else 0), "the int8 copies' scales")
-    patterns[WINDOW_SCALE] = (torch.float32, (batch, heads, 2 if layer.window_bits == 8 else 0), "the window's scales")
     return patterns
 
 

@@ -107,7 +107,7 @@ def family_of(target: Budget) -> str:
     """The plot line a budget joins: "patchkv" and what it keeps beside the codes ("patchkv+near", "patchkv+int8
     window 16+near+novelty"), so that one line joins the ratios of one method family."""
     exact = target.regions
-    window = "" if exact is None else f"+{'int8 ' if exact.bits == 8 else ''}window {exact.window}" + (
+    window = "" if exact is None else f"+{f'int{exact.bits} ' if exact.bits != 16 else ''}window {exact.window}" + (
         f", {exact.sink_tokens} sinks" if exact.sink_tokens != 4 else "")
     basis = "-layer" if target.basis == "layer" else ""
     return f"patchkv{basis}{window}" + "".join(f"+{m.spec()}" for m in (target.near, target.salience) if m is not None)

@@ -35,8 +35,10 @@ def continued(model, cache, ids):
 @pytest.mark.parametrize("compress", ["deflate", None])
 @pytest.mark.parametrize("methods", [[patchkv.SinksWindow(2, 4), patchkv.Quantized(24)], [patchkv.SinksWindow(2, 4)],
                                      [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.CodeError(0.2)],
-                                     [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.Novelty(0.2, bits=8)]],
-                         ids=["codes", "lowrank", "salient", "salient-int8"])
+                                     [patchkv.SinksWindow(2, 4), patchkv.Quantized(24), patchkv.Novelty(0.2, bits=8)],
+                                     [patchkv.SinksWindow(2, 4, bits=4), patchkv.Quantized(24),
+                                      patchkv.Novelty(0.2, bits=4)]],
+                         ids=["codes", "lowrank", "salient", "salient-int8", "int4"])
 def test_a_saved_cache_continues_exactly_as_the_one_it_was_saved_from(tmp_path, setup, compress, methods):
     model, artifact = setup
     ids, more = calibration_ids(2, 40, seed=5), calibration_ids(2, 6, seed=6)

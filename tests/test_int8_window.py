@@ -1,4 +1,5 @@
-"""`SinksWindow(bits=8)`: the window held as int8 with a float32 scale per token, head and kind between forwards.
+"""`SinksWindow(bits=8)`: the window held as int8 with a float32 scale per token, head and kind between forwards
+(`bits=4`: int4, two to a byte).
 
 A forward reads its own tokens exact and the window before them within half a step of the exact keys and values; the
 sinks stay exact; the window's bytes are what budgets count, so at equal bytes the codes keep more bits; both
@@ -26,34 +27,38 @@ def lossy(family="llama", mode="pre_rope", dtype=torch.float32):
     return model, patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False)
 
 
-def test_the_window_is_read_within_half_a_step_and_a_forward_reads_its_own_tokens_exact():
-    """Post-RoPE (cache space is what the unpatched model caches): after a prefill the window is int8 and reads back
-    within half a step of the exact keys and values, the sinks exact; the prefill's own logits are those of an exact
-    window, the next forward's differ."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_window_is_read_within_half_a_step_and_a_forward_reads_its_own_tokens_exact(bits):
+    """Post-RoPE (cache space is what the unpatched model caches): after a prefill the window is int8 (int4) and reads
+    back within half a step of the exact keys and values, the sinks exact; the prefill's own logits are those of an
+    exact window, the next forward's differ."""
     model, art = lossy(mode="post_rope")
     ids = calibration_ids(1, 40, seed=4)
     plain = model(ids[:, :36], use_cache=True).past_key_values
     logits, views = {}, {}
-    for name, methods in (("int8", INT8), ("exact", EXACT)):
+    held, top = (torch.int8, 127) if bits == 8 else (torch.uint8, 7)
+    for name, methods in (("int8", [patchkv.SinksWindow(2, 6, bits=bits), patchkv.Quantized(20)]), ("exact", EXACT)):
         with patchkv.patched(model, art, methods):
             out = model(ids[:, :36], use_cache=True)
             views[name] = [(layer.keys, layer.values, layer.tensors) for layer in out.cache.layers]
             logits[name] = out.logits, model(ids[:, 36:], cache=out.cache, use_cache=True).logits
     assert torch.equal(logits["int8"][0], logits["exact"][0])
-    assert 1e-6 < (logits["int8"][1] - logits["exact"][1]).abs().max() < 1e-1
+    assert 1e-6 < (logits["int8"][1] - logits["exact"][1]).abs().max() < (1e-1 if bits == 8 else 1.0)
     for i, (keys, values, t) in enumerate(views["int8"]):
-        assert t["recent_keys"].dtype == torch.int8 and t["recent_scale"].shape == (1, 2, 6, 2)
+        assert t["recent_keys"].dtype == held and t["recent_scale"].shape == (1, 2, 6, 2)
+        assert t["recent_keys"].shape[-1] == plain.layers[i].keys.shape[-1] * bits // 8
         for view, full in ((keys, plain.layers[i].keys), (values, plain.layers[i].values)):
             got, exact = view[:, :, -6:], full[:, :, 30:36]
-            step = exact.abs().amax(-1, keepdim=True) / 127
+            step = exact.abs().amax(-1, keepdim=True) / top
             assert bool(((got - exact).abs() <= step / 2 + 1e-6).all()) and (got - exact).abs().max() > 0
             assert torch.equal(view[:, :, :2], full[:, :, :2])
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_decode_steps_read_the_int8_window_as_the_dense_path_does(mode, attn, monkeypatch):
-    check_decode("llama", attn, mode, dict(bits=40), monkeypatch, extra=(patchkv.SinksWindow(2, 3, bits=8),))
+def test_decode_steps_read_the_int8_window_as_the_dense_path_does(mode, attn, bits, monkeypatch):
+    check_decode("llama", attn, mode, dict(bits=40), monkeypatch, extra=(patchkv.SinksWindow(2, 3, bits=bits),))
 
 
 def test_bytes_are_counted_and_budgets_pay_for_them():
@@ -75,8 +80,12 @@ def test_bytes_are_counted_and_budgets_pay_for_them():
     assert patchkv.SinksWindow(4, 32).spec() == "sinks:sink_tokens=4,window=32"
     assert [str(b) for b in budget_list("8x, 16x+sinks:window=64,bits=8+near,119")] == [  # the CLI's --budgets
         "8x", "16x+sinks:sink_tokens=4,window=64,bits=8+near", "119 bits"]
+    int4 = patchkv.SinksWindow(4, 32, bits=4)
+    assert exact_bytes(art, held_tokens(art, context), context, 4, 32, 4) \
+        < exact_bytes(art, held_tokens(art, context), context, 4, 32, 8)
+    assert Budget(ratio=4, pool="head", regions=int4).methods(art, context)[1].bits >= methods[1].bits
     with pytest.raises(ValueError, match="bits"):
-        patchkv.SinksWindow(4, 32, bits=4)
+        patchkv.SinksWindow(4, 32, bits=2)
 
 
 def test_a_saved_cache_keeps_its_int8_window_and_a_version_4_file_loads_exact(tmp_path):

@@ -111,43 +111,50 @@ def test_bytes_are_counted_and_budgets_pay_for_them():
     assert cache.nbytes() / context <= sixteen_bit_bytes(art) / 4
 
 
-def test_int8_copies_are_read_within_half_a_step_and_budgets_count_them():
-    """`bits=8`: each kept key and value is held as int8 with a float32 scale, read back within half a step of the
-    exact one (and still not from the codes); the cache's bytes are what budgets count, so at equal bytes the codes
-    keep more bits than with exact copies of the same tokens, and a decode step reads them as the dense path does."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_and_int4_copies_are_read_within_half_a_step_and_budgets_count_them(bits):
+    """`bits=8` / `bits=4`: each kept key and value is held as int8 (int4 two to a byte) with a float32 scale, read
+    back within half a step of the exact one (and still not from the codes); the cache's bytes are what budgets count,
+    so at equal bytes the codes keep more bits than with exact copies of the same tokens (int4 more than int8), and a
+    decode step reads them as the dense path does."""
     model, art = lossy(mode="post_rope")
     ids = calibration_ids(1, 40, seed=4)
     plain = model(ids, use_cache=True).past_key_values
-    method = patchkv.KeyNorm(0.25, bits=8)
+    method = patchkv.KeyNorm(0.25, bits=bits)
+    held, top = (torch.int8, 127) if bits == 8 else (torch.uint8, 7)
     with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), method]):
         cache = model(ids, use_cache=True).cache
     for i, layer in enumerate(cache.layers):
-        assert layer.tensors["salient_keys"].dtype == torch.int8 and layer.tensors["salient_scale"].shape[-1] == 2
+        copies = layer.tensors["salient_keys"]
+        assert copies.dtype == held and copies.shape[-1] == plain.layers[i].keys.shape[-1] * bits // 8
+        assert layer.tensors["salient_scale"].shape[-1] == 2
         index = layer.tensors["salient_index"].squeeze(-1).long()
         for view, full in ((layer.keys, plain.layers[i].keys), (layer.values, plain.layers[i].values)):
             got, exact = view[:, :, 2:37], full[:, :, 2:37]
             kept = torch.zeros(got.shape[:3], dtype=torch.bool).scatter_(2, index, True)
-            step = exact.abs().amax(-1, keepdim=True).expand_as(exact)[kept] / 127
+            step = exact.abs().amax(-1, keepdim=True).expand_as(exact)[kept] / top
             assert bool(((got[kept] - exact[kept]).abs() <= step / 2 + 1e-6).all())
             assert (got[~kept] - exact[~kept]).abs().max() > 1e-3
     model, art = lossy(dtype=torch.bfloat16)
     art, context = art.to_dtype(torch.bfloat16), 400
-    int8, exact = patchkv.CodeError(1 / 16, bits=8), patchkv.CodeError(1 / 16)
-    with patchkv.patched(model, art, Budget(ratio=4, pool="head", salience=int8).methods(art, context)):
+    coarse, int8, exact = (patchkv.CodeError(1 / 16, bits=b) for b in (bits, 8, 16))
+    with patchkv.patched(model, art, Budget(ratio=4, pool="head", salience=coarse).methods(art, context)):
         cache = model(calibration_ids(1, context, seed=6), use_cache=True).cache
     kept = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items() if name.startswith("salient"))
-    assert kept == salient_bytes(art, int8, context - 4 - 32) < salient_bytes(art, exact, context - 4 - 32)
-    bits = {m: Budget(ratio=4, pool="head", salience=m).methods(art, context)[1].bits for m in (int8, exact)}
-    assert bits[int8] > bits[exact]
-    assert parse_budget("16x+near+novelty:bits=8").salience == patchkv.Novelty(bits=8)
+    assert kept == salient_bytes(art, coarse, context - 4 - 32) <= salient_bytes(art, int8, context - 4 - 32) \
+        < salient_bytes(art, exact, context - 4 - 32)
+    bits_of = {m: Budget(ratio=4, pool="head", salience=m).methods(art, context)[1].bits for m in (coarse, exact)}
+    assert bits_of[coarse] > bits_of[exact]
+    assert parse_budget(f"16x+near+novelty:bits={bits}").salience == patchkv.Novelty(bits=bits)
     with pytest.raises(ValueError, match="bits"):
-        patchkv.Novelty(bits=4)
+        patchkv.Novelty(bits=2)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
-def test_decode_steps_read_int8_copies_as_the_dense_path_does(mode, monkeypatch):
+def test_decode_steps_read_int8_and_int4_copies_as_the_dense_path_does(mode, bits, monkeypatch):
     check_decode("llama", "sdpa", mode, dict(sink_tokens=2, window=3, bits=40), monkeypatch,
-                 extra=(patchkv.CodeError(0.3, bits=8),))
+                 extra=(patchkv.CodeError(0.3, bits=bits),))
 
 
 def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent():

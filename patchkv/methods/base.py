@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 #: how a `Salience` method's kept tokens are chosen: the same for a layer's KV heads, or each head its own
 SCOPES = ("layer", "head")
-#: how a `Salience` method's copies and a `SinksWindow`'s window are held: exact (16-bit, the model's dtype) or int8
-#: with a scale
-COPY_BITS = (16, 8)
+#: how a `Salience` method's copies and a `SinksWindow`'s window are held: exact (16-bit, the model's dtype), or int8
+#: or int4 (two to a byte) with a scale
+COPY_BITS = (16, 8, 4)
 
 
 def check_bits(owner: str, bits: object, what: str) -> int:
@@ -52,8 +52,8 @@ def spec_of(method: Method, always: tuple[str, ...] = ()) -> str:
 
 def token_kv_bytes(head_dim: int, bits: int) -> int:
     """Bytes one token's key and value take in one KV head of `head_dim` held at `bits` (`COPY_BITS`): 16-bit, or
-    int8 and a float32 scale each."""
-    return 2 * (2 * head_dim if bits == 16 else head_dim + 4)
+    int8 / int4 (two to a byte) and a float32 scale each."""
+    return 2 * (2 * head_dim if bits == 16 else head_dim * bits // 8 + 4)
 
 
 class Method:
@@ -151,7 +151,8 @@ class Salience(Method):
 
     bits 16: the copies are exact, in the model's dtype; 8: each key and value copy is held as int8 with a float32
     scale (symmetric, its largest magnitude at 127: a relative error under 0.4%, MiKV's "kept sharper, not exact"),
-    so the same bytes keep 1.8 times as many tokens (`copy_bytes`)."""
+    so the same bytes keep 1.8 times as many tokens (`copy_bytes`); 4: int4, two to a byte, with a float32 scale (its
+    largest magnitude at 7), twice int8's tokens again for about the same bytes."""
 
     role = "salience"
     #: whether `score` reads this forward's queries (`Observation`): the attention path then passes them
@@ -169,14 +170,14 @@ class Salience(Method):
         object.__setattr__(self, "fraction", float(fraction))
         if self.scope not in SCOPES:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
-        object.__setattr__(self, "bits", check_bits(self.name, self.bits, "exact copies, or int8 with a scale"))
+        object.__setattr__(self, "bits", check_bits(self.name, self.bits, "exact copies, or int8 or int4 with a scale"))
 
     def spec(self) -> str:
         """`name` and the fields that differ from their defaults ("novelty", "novelty:fraction=0.01")."""
         return spec_of(self)
 
     def copy_bytes(self, head_dim: int) -> int:
-        """Bytes one kept token's key and value copies take in one KV head of `head_dim`: 16-bit, or int8 and a
+        """Bytes one kept token's key and value copies take in one KV head of `head_dim`: 16-bit, or int8 / int4 and a
         float32 scale each (its coded index and score are counted apart: `patchkv.budgets.SALIENT_INDEX_BYTES`)."""
         return token_kv_bytes(head_dim, self.bits)
 
@@ -220,7 +221,7 @@ class CachePlan:
     codec: CodecMethod
     sink_tokens: int = 0
     window: int = 0
-    window_bits: int = 16  # 8: the window held as int8 between forwards (`SinksWindow(bits=8)`)
+    window_bits: int = 16  # 8 / 4: the window held as int8 / int4 between forwards (`SinksWindow(bits=8)`)
     selector: Selector | None = None
     salience: Salience | None = None
     near: Method | None = None  # a `NearCodes`
