@@ -68,6 +68,9 @@ NEAR4 = patchkv.NearCodes(factor=4)
 #: 32x the step from 4 to 6 times and from 1/64 to 1/128 copies each pays on held-out prose (scratch sweep, README)
 NEAR6 = patchkv.NearCodes(factor=6)
 NEAR6_INT8_FRACTION = 1 / 128
+#: ... or the usual fraction as int4 copies ("32x-layer-near6-novelty-int4-w8"): as many needles kept as the 1/64 int8
+#: copies, for the bytes of the 1/128 (scratch runs on held-out prose and RULER samples 0-29, README)
+INT4_COPIES = patchkv.Novelty(INT8_FRACTION, bits=4)
 #: the exact regions of the "-w8" configs: the budgets' sinks and window, the window held as int8 (half its bytes go
 #: to the codes)
 INT8_WINDOW = patchkv.SinksWindow(*EXACT, bits=8)
@@ -83,14 +86,15 @@ def _salient(ratio: int, scorer: type) -> Config:
 def _near(ratio: int, basis: str = "head", salience=None, regions=None, near=patchkv.NearCodes()) -> Config:
     """`ratio` with near codes from the same bytes, on per-head or layer bases, and a salience method's copies beside
     them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", with int8 copies
-    "16x-near-novelty-int8", with `regions` `INT8_WINDOW` (an int8 window) "-w8" after the name, and with near codes
-    at 4 times the middle's bits (`NEAR4`) "near4" in place of "near"; a salience fraction other than the usual one for
-    its copies is named by its inverse ("novelty128-int8": 1/128 as int8 copies)."""
+    "16x-near-novelty-int8" (int4 "-int4"), with `regions` `INT8_WINDOW` (an int8 window) "-w8" after the name, and
+    with near codes at 4 times the middle's bits (`NEAR4`) "near4" in place of "near"; a salience fraction other than the usual one for
+    its copies is named by its inverse ("novelty128-int8": 1/128 as int8 copies; int8 and int4 copies' usual fraction is
+    `INT8_FRACTION`)."""
     layer = "-layer" if basis == "layer" else ""
     factor = "" if near.factor == patchkv.NearCodes().factor else str(near.factor)
-    usual = INT8_FRACTION if salience is not None and salience.bits == 8 else SALIENT_FRACTION
+    usual = INT8_FRACTION if salience is not None and salience.bits != 16 else SALIENT_FRACTION
     share = "" if salience is None or salience.fraction == usual else str(round(1 / salience.fraction))
-    kept = f"-{salience.name}{share}{'-int8' if salience.bits == 8 else ''}" if salience else ""
+    kept = f"-{salience.name}{share}{f'-int{salience.bits}' if salience.bits != 16 else ''}" if salience else ""
     window = "-w8" if regions is not None else ""
     note = (f"global pre-RoPE codes{' on layer bases' if layer else ''} + {near.spec()}"
             f"{f' + {salience.spec()} kept' if salience else ''}{' + int8 window' if window else ''}, {ratio}x vs bf16")
@@ -117,6 +121,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_near(ratio, "head", regions=INT8_WINDOW, near=NEAR4) for ratio in (8, 16, 32)),
     *(_near(ratio, "layer", patchkv.Novelty(INT8_FRACTION, bits=8), INT8_WINDOW, NEAR4) for ratio in (8, 16, 32)),
     _near(32, "layer", patchkv.Novelty(NEAR6_INT8_FRACTION, bits=8), INT8_WINDOW, NEAR6),
+    _near(32, "layer", INT4_COPIES, INT8_WINDOW, NEAR6),
 )}
 
 
