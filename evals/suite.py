@@ -127,10 +127,11 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
 
 #: the families the suite's accuracy plot draws (`python -m evals table`; `--families all` draws every one, and the CSV
 #: and table always hold every configuration): the unpatched model, `QuantizedCache`, patchkv's plain codes, near
-#: codes on per-head bases, the configuration that meets the most targets, and kvpress's presses measured at 16x and
-#: 32x
+#: codes on per-head bases, the configurations that meet the most targets (8x-32x near4 with int8 copies; 32x near6
+#: with int4 copies), and kvpress's presses measured at 16x and 32x
 PLOTTED = ("unpatched", "quantized_cache", "patchkv", "patchkv+near", "patchkv-layer+near4+novelty+int8+w8",
-           "kvpress KVzipPress", "kvpress SnapKVPress", "kvpress TOVAPress", "kvpress StreamingLLMPress")
+           "patchkv-layer+near6+novelty+int4+w8", "kvpress KVzipPress", "kvpress SnapKVPress", "kvpress TOVAPress",
+           "kvpress StreamingLLMPress")
 
 
 def config(name: str) -> Config:
