@@ -157,10 +157,12 @@ def test_decode_steps_read_int8_and_int4_copies_as_the_dense_path_does(mode, bit
                  extra=(patchkv.CodeError(0.3, bits=bits),))
 
 
-def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent():
+@pytest.mark.parametrize("bits", [16, 4])
+def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent(bits):
     model, art = lossy()
     ids = calibration_ids(2, 40, seed=7)
-    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), patchkv.CodeError(0.25)]):
+    methods = [patchkv.SinksWindow(2, 3, bits=bits), patchkv.Quantized(20), patchkv.CodeError(0.25, bits=bits)]
+    with patchkv.patched(model, art, methods):
         cache = model(ids, use_cache=True).cache
         cache.reorder_cache(torch.tensor([1, 0]))
         cache.crop(-12)  # back into the middle: kept tokens past its end go
@@ -171,7 +173,11 @@ def test_crop_reorder_and_batch_selection_keep_the_kept_tokens_consistent():
         cache.batch_select_indices(torch.tensor([1]))
         assert all(t.shape[0] == 1 for layer in cache.layers for t in layer.tensors.values())
         beams = model.generate(ids[:1], max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
-        assert beams.shape == (1, 46)
+        sampled = model.generate(ids[:1], max_new_tokens=6, do_sample=True, pad_token_id=0)
+        assert beams.shape == sampled.shape == (1, 46)
+        held = torch.uint8 if bits == 4 else model.dtype
+        assert all(layer.tensors[f"{region}_keys"].dtype == held for layer in cache.layers
+                   for region in ("salient", "recent"))
 
 
 def test_methods_parse_and_refuse_what_does_not_fit():
