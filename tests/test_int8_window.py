@@ -61,6 +61,25 @@ def test_decode_steps_read_the_int8_window_as_the_dense_path_does(mode, attn, bi
     check_decode("llama", attn, mode, dict(bits=40), monkeypatch, extra=(patchkv.SinksWindow(2, 3, bits=bits),))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_window_token_keeps_its_levels_and_scale_while_it_is_there(bits):
+    """The window is read back in the model's dtype at every forward and held quantized again after it: a token's
+    levels and scale do not drift on the way (its largest entry, a bf16 value, is the scale times 127 or 7 again, and
+    every other level is read back within a quarter of a step), in bf16 too."""
+    model, art = lossy(dtype=torch.bfloat16)
+    art = art.to_dtype(torch.bfloat16)
+    ids = calibration_ids(1, 40, seed=3)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 6, bits=bits), patchkv.Quantized(20)]):
+        cache = model(ids[:, :30], use_cache=True).cache
+        first = [{n: layer.tensors[n].clone() for n in ("recent_keys", "recent_values", "recent_scale")}
+                 for layer in cache.layers]
+        for step in range(4):  # one token enters and one leaves at each
+            model(ids[:, 30 + step:31 + step], cache=cache, use_cache=True)
+    for layer, stored in zip(cache.layers, first):
+        for name, x in stored.items():
+            assert torch.equal(layer.tensors[name][:, :, :2], x[:, :, 4:])
+
+
 def test_bytes_are_counted_and_budgets_pay_for_them():
     model, art = lossy(dtype=torch.bfloat16)
     art, context = art.to_dtype(torch.bfloat16), 400
