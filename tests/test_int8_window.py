@@ -163,11 +163,13 @@ def test_crop_reorder_batch_selection_and_beams_keep_the_window_consistent():
         assert beams.shape == sampled.shape == (1, 46)
 
 
-def test_sliding_layers_hold_their_last_tokens_in_an_int8_window():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sliding_layers_hold_their_last_tokens_in_an_int8_window(bits):
     model, art = lossy("gemma3")
-    with patchkv.patched(model, art, INT8):
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 6, bits=bits), patchkv.Quantized(20)]):
         sliding, full = model(calibration_ids(1, 40, seed=7), use_cache=True).cache.layers
     assert sliding.is_sliding and sliding.kept == sliding.sliding_window - 1 == 9
     assert (sliding.sink_len, sliding.middle_len, sliding.window_len) == (0, 3, 6)
     assert (full.sink_len, full.middle_len, full.window_len) == (2, 32, 6)
-    assert sliding.tensors["recent_keys"].dtype == full.tensors["recent_keys"].dtype == torch.int8
+    held = torch.int8 if bits == 8 else torch.uint8
+    assert sliding.tensors["recent_keys"].dtype == full.tensors["recent_keys"].dtype == held
