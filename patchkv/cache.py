@@ -258,6 +258,9 @@ class LatentLayer(CacheLayerMixin):
         if capacity == 0:
             return
         score = self.salience.rank(self.patch, keys, values, stored and tuple(stored), observed).unsqueeze(-1)
+        kept = t["salient_score"]
+        if kept.shape[2] == capacity and bool((score.float().amax(2) < kept.amin(2)).all()):
+            return  # every newcomer ranks below every kept token (a decode step's scores 0 under Novelty): none moves
         index = torch.arange(start, start + n, dtype=torch.int32, device=keys.device)
         index = index.view(1, 1, n, 1).expand(*keys.shape[:2], n, 1)
         copies = _copies(keys, values, self.salience.bits)

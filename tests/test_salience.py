@@ -94,6 +94,25 @@ def test_decode_steps_displace_the_lowest_and_sliding_layers_keep_none():
         assert bool((index < middle).all()) and bool((index.diff(dim=-1) > 0).all())  # distinct, in middle order
 
 
+def test_a_decode_token_that_ranks_below_every_kept_one_leaves_them_as_they_are():
+    """Novelty scores a decode step's single token 0: while the capacity holds, the kept tokens stay as they are (the
+    very tensors, nothing gathered again); once it grows by one, the newcomer fills the place."""
+    model, art = lossy()
+    ids = calibration_ids(1, 70, seed=5)
+    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), patchkv.Novelty(1 / 16)]):
+        cache = model(ids[:, :54], use_cache=True).cache  # 49 coded: 3 kept per head
+        layer = cache.layers[0]
+        before = {name: layer.tensors[name] for name in ("salient_keys", "salient_index", "salient_score")}
+        assert layer.salient_len == 3 and bool((before["salient_score"] > 0).all())
+        for i in range(54, 68):  # one token coded a step, 50 to 63: the capacity stays 3
+            model(ids[:, i:i + 1], cache=cache, use_cache=True)
+        assert all(layer.tensors[name] is x for name, x in before.items())
+        model(ids[:, 68:69], cache=cache, use_cache=True)  # 64 coded: capacity 4
+        assert layer.middle_len == 64 and layer.salient_len == 4
+        assert torch.equal(layer.tensors["salient_index"][:, :, :3], before["salient_index"])
+        assert bool((layer.tensors["salient_score"][:, :, 3] == 0).all())
+
+
 def test_bytes_are_counted_and_budgets_pay_for_them():
     model, art = lossy(dtype=torch.bfloat16)
     art = art.to_dtype(torch.bfloat16)
