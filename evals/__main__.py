@@ -242,14 +242,21 @@ def plotted(rows: list[dict], tasks: list[str] | None, families: str) -> list[di
     return [r for r in rows if (tasks is None or r["task"] in tasks) and (chosen is None or r["family"] in chosen)]
 
 
+def point_label(row: dict) -> str:
+    """A plotted point's label, what its family's name in the legend does not say: a press's ratio ("r=0.9375"), a
+    patchkv configuration's budget ("16x"), any other method's name."""
+    if row["method"].startswith("kvpress "):
+        return row["method"].rsplit(" ", 1)[-1]
+    return row["method"].split("-")[0] if row["family"].startswith("patchkv") else row["method"]
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     """Score vs KV bytes per token, one panel per task x context, one curve per method family (patchkv's
     budgets joined by a line; each kvpress press its own curve over its ratios), 95% intervals as error bars."""
     rows = sorted(rows, key=lambda r: (r["task"], int(r["context"])))  # panels in this order
     panels = {(r["task"], int(r["context"])): f"{r['task']} @ {r['context']}" for r in rows}
     points = [Point(panels[r["task"], int(r["context"])], r["family"], float(r["kv_bytes_per_token"]), float(r["score"]),
-                    r["method"].removeprefix("kvpress "), 0 if math.isnan(float(r["ci95"])) else float(r["ci95"]))
-              for r in rows]
+                    point_label(r), 0 if math.isnan(float(r["ci95"])) else float(r["ci95"])) for r in rows]
     titles = {name: f"{name} (n = {min(int(r['samples']) for r in rows if (r['task'], int(r['context'])) == key)}+)"
               for key, name in panels.items()}
     ylabels = {name: "perplexity" if task.startswith("ppl") else "score (0-100)" for (task, _), name in panels.items()}
