@@ -258,9 +258,8 @@ class LatentLayer(CacheLayerMixin):
         if capacity == 0:
             return
         score = self.salience.rank(self.patch, keys, values, stored and tuple(stored), observed).unsqueeze(-1)
-        kept = t["salient_score"]
-        if kept.shape[2] == capacity and bool((score.float().amax(2) < kept.amin(2)).all()):
-            return  # every newcomer ranks below every kept token (a decode step's scores 0 under Novelty): none moves
+        if _unmoved(t["salient_score"], score, capacity):
+            return
         index = torch.arange(start, start + n, dtype=torch.int32, device=keys.device)
         index = index.view(1, 1, n, 1).expand(*keys.shape[:2], n, 1)
         copies = _copies(keys, values, self.salience.bits)
@@ -627,6 +626,9 @@ def _copies(keys: torch.Tensor, values: torch.Tensor, bits: int) -> tuple[torch.
     the same at 7, each level stored as level + 8 in one half of a byte (even components in the low half)."""
     if bits == 16:
         return keys, values, keys.new_zeros((*keys.shape[:3], 0), dtype=torch.float32)
+    if bits == 4 and keys.shape[-1] % 2:
+        raise PatchKVError(f"int4 copies and windows hold two values a byte, so head_dim must be even; this model's "
+                           f"is {keys.shape[-1]}: use bits=8.")
     top = 2 ** (bits - 1) - 1
     scales = [x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / top for x in (keys, values)]
     levels = [(x.float() / scale).round().clamp(-top, top) for x, scale in zip((keys, values), scales)]
@@ -667,8 +669,17 @@ def _empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:2], 0, x.shape[3])
 
 
+def _unmoved(kept: torch.Tensor, score: torch.Tensor, capacity: int) -> bool:
+    """Whether newcomers scored `score` `[batch, kv_heads, n, 1]` leave the kept tokens, scored `kept` `[batch,
+    kv_heads, s, 1]`, as they are: the kept fill the `capacity` and no newcomer ranks above any of them (on equal
+    scores the earlier kept stays, as `_best` keeps it). A decode step's lone token scores 0 under Novelty, so most
+    steps skip copying, concatenating and ranking the kept tokens."""
+    return kept.shape[2] == capacity and bool((score.float().amax(2) <= kept.amin(2)).all())
+
+
 def _best(regions: dict[str, torch.Tensor], score: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """The salient `regions` `[batch, kv_heads, s, ...]` cut to each KV head's `k` best by `score` `[batch,
-    kv_heads, s]`, kept in their order."""
-    best = score.topk(k, dim=2).indices.sort(dim=2).values.unsqueeze(-1)
+    kv_heads, s]`, kept in their order; of equal scores the earlier kept first (the regions hold the kept tokens, then
+    the newcomers)."""
+    best = score.sort(dim=2, descending=True, stable=True).indices[:, :, :k].sort(dim=2).values.unsqueeze(-1)
     return {name: x.gather(2, best.expand(-1, -1, -1, x.shape[-1])) for name, x in regions.items()}

@@ -94,23 +94,40 @@ def test_decode_steps_displace_the_lowest_and_sliding_layers_keep_none():
         assert bool((index < middle).all()) and bool((index.diff(dim=-1) > 0).all())  # distinct, in middle order
 
 
-def test_a_decode_token_that_ranks_below_every_kept_one_leaves_them_as_they_are():
+def test_a_decode_token_that_ranks_below_every_kept_one_leaves_them_as_they_are(monkeypatch):
     """Novelty scores a decode step's single token 0: while the capacity holds, the kept tokens stay as they are (the
-    very tensors, nothing gathered again); once it grows by one, the newcomer fills the place."""
+    very tensors, nothing gathered again); once it grows by one, the newcomer fills the place, and a later 0 does not
+    displace it (equal scores keep the earlier). Decoding with the shortcut and without it (every step concatenating
+    and ranking) holds the same tokens, batch of 2."""
     model, art = lossy()
-    ids = calibration_ids(1, 70, seed=5)
-    with patchkv.patched(model, art, [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), patchkv.Novelty(1 / 16)]):
+    ids = calibration_ids(2, 86, seed=5)
+    methods = [patchkv.SinksWindow(2, 3), patchkv.Quantized(20), patchkv.Novelty(1 / 16)]
+
+    def decode(start: int, stop: int, cache) -> None:
+        for i in range(start, stop):
+            model(ids[:, i:i + 1], cache=cache, use_cache=True)
+
+    with patchkv.patched(model, art, methods):
         cache = model(ids[:, :54], use_cache=True).cache  # 49 coded: 3 kept per head
         layer = cache.layers[0]
         before = {name: layer.tensors[name] for name in ("salient_keys", "salient_index", "salient_score")}
         assert layer.salient_len == 3 and bool((before["salient_score"] > 0).all())
-        for i in range(54, 68):  # one token coded a step, 50 to 63: the capacity stays 3
-            model(ids[:, i:i + 1], cache=cache, use_cache=True)
+        decode(54, 68, cache)  # one token coded a step, 50 to 63: the capacity stays 3
         assert all(layer.tensors[name] is x for name, x in before.items())
-        model(ids[:, 68:69], cache=cache, use_cache=True)  # 64 coded: capacity 4
+        decode(68, 69, cache)  # 64 coded: capacity 4, the newcomer kept
         assert layer.middle_len == 64 and layer.salient_len == 4
         assert torch.equal(layer.tensors["salient_index"][:, :, :3], before["salient_index"])
         assert bool((layer.tensors["salient_score"][:, :, 3] == 0).all())
+        grown = {name: layer.tensors[name] for name in before}
+        decode(69, 86, cache)  # 65 to 81 coded: capacity 5 at 80, then a 0 against a kept 0
+        assert layer.salient_len == 5 and torch.equal(layer.tensors["salient_index"][:, :, :4], grown["salient_index"])
+        shortcut = [{name: x.clone() for name, x in layer.tensors.items()} for layer in cache.layers]
+    monkeypatch.setattr(patchkv.cache, "_unmoved", lambda kept, score, capacity: False)
+    with patchkv.patched(model, art, methods):
+        cache = model(ids[:, :54], use_cache=True).cache
+        decode(54, 86, cache)
+    for mine, theirs in zip(cache.layers, shortcut):
+        assert all(torch.equal(mine.tensors[name], theirs[name]) for name in theirs)
 
 
 def test_bytes_are_counted_and_budgets_pay_for_them():
@@ -162,8 +179,8 @@ def test_int8_and_int4_copies_are_read_within_half_a_step_and_budgets_count_them
     kept = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items() if name.startswith("salient"))
     assert kept == salient_bytes(art, coarse, context - 4 - 32) <= salient_bytes(art, int8, context - 4 - 32) \
         < salient_bytes(art, exact, context - 4 - 32)
-    bits_of = {m: Budget(ratio=4, pool="head", salience=m).methods(art, context)[1].bits for m in (coarse, exact)}
-    assert bits_of[coarse] > bits_of[exact]
+    bits_of = {m: Budget(ratio=4, pool="head", salience=m).methods(art, context)[1].bits for m in (coarse, int8, exact)}
+    assert bits_of[coarse] > bits_of[exact] and (bits == 8 or bits_of[coarse] > bits_of[int8])
     assert parse_budget(f"16x+near+novelty:bits={bits}").salience == patchkv.Novelty(bits=bits)
     with pytest.raises(ValueError, match="bits"):
         patchkv.Novelty(bits=2)
