@@ -99,12 +99,24 @@ def test_bytes_are_counted_and_budgets_pay_for_them():
     assert patchkv.SinksWindow(4, 32).spec() == "sinks:sink_tokens=4,window=32"
     assert [str(b) for b in budget_list("8x, 16x+sinks:window=64,bits=8+near,119")] == [  # the CLI's --budgets
         "8x", "16x+sinks:sink_tokens=4,window=64,bits=8+near", "119 bits"]
-    int4 = patchkv.SinksWindow(4, 32, bits=4)
-    assert exact_bytes(art, held_tokens(art, context), context, 4, 32, 4) \
-        < exact_bytes(art, held_tokens(art, context), context, 4, 32, 8)
-    assert Budget(ratio=4, pool="head", regions=int4).methods(art, context)[1].bits >= methods[1].bits
+    int4 = Budget(ratio=4, pool="head", regions=patchkv.SinksWindow(4, 32, bits=4)).methods(art, context)
+    assert int4[1].bits > methods[1].bits  # half the int8 window's bytes again
+    with patchkv.patched(model, art, int4):
+        cache = model(calibration_ids(1, context, seed=6), use_cache=True).cache
+    held = sum(t.nbytes for layer in cache.layers for name, t in layer.tensors.items()
+               if name.startswith(("sink", "recent")))
+    assert held == exact_bytes(art, held_tokens(art, context), context, 4, 32, 4) < exact
+    assert cache.nbytes() / context <= sixteen_bit_bytes(art) / 4
     with pytest.raises(ValueError, match="bits"):
         patchkv.SinksWindow(4, 32, bits=2)
+
+
+def test_int4_needs_an_even_head_dim():
+    from patchkv.cache import _copies
+
+    x = torch.randn(1, 2, 3, 7)
+    with pytest.raises(patchkv.PatchKVError, match="head_dim must be even"):
+        _copies(x, x, 4)
 
 
 def test_a_saved_cache_keeps_its_int8_window_and_a_version_4_file_loads_exact(tmp_path):
