@@ -242,12 +242,17 @@ def plotted(rows: list[dict], tasks: list[str] | None, families: str) -> list[di
     return [r for r in rows if (tasks is None or r["task"] in tasks) and (chosen is None or r["family"] in chosen)]
 
 
-def point_label(row: dict) -> str:
-    """A plotted point's label, what its family's name in the legend does not say: a press's ratio ("r=0.9375"), a
-    patchkv configuration's budget ("16x"), any other method's name."""
-    if row["method"].startswith("kvpress "):
-        return row["method"].rsplit(" ", 1)[-1]
-    return row["method"].split("-")[0] if row["family"].startswith("patchkv") else row["method"]
+def point_labels(rows: list[dict]) -> list[str]:
+    """Each plotted point's label, what its family's name in the legend does not say: a press's ratio ("r=0.9375"), a
+    patchkv configuration's budget ("16x"), any other method's name; the whole name where the short one would be
+    another point's of the same family and task ("8x-post" beside "8x")."""
+    def short(row: dict) -> str:
+        if row["method"].startswith("kvpress "):
+            return row["method"].rsplit(" ", 1)[-1]
+        return row["method"].split("-")[0] if row["family"].startswith("patchkv") else row["method"]
+
+    place = [(r["task"], r["context"], r["family"], short(r)) for r in rows]
+    return [short(r) if place.count(p) == 1 else r["method"].removeprefix("kvpress ") for r, p in zip(rows, place)]
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -256,7 +261,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     rows = sorted(rows, key=lambda r: (r["task"], int(r["context"])))  # panels in this order
     panels = {(r["task"], int(r["context"])): f"{r['task']} @ {r['context']}" for r in rows}
     points = [Point(panels[r["task"], int(r["context"])], r["family"], float(r["kv_bytes_per_token"]), float(r["score"]),
-                    point_label(r), 0 if math.isnan(float(r["ci95"])) else float(r["ci95"])) for r in rows]
+                    label, 0 if math.isnan(float(r["ci95"])) else float(r["ci95"]))
+              for r, label in zip(rows, point_labels(rows))]
     titles = {name: f"{name} (n = {min(int(r['samples']) for r in rows if (r['task'], int(r['context'])) == key)}+)"
               for key, name in panels.items()}
     ylabels = {name: "perplexity" if task.startswith("ppl") else "score (0-100)" for (task, _), name in panels.items()}
