@@ -270,8 +270,9 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
 
 def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tuple[int, int, int], str]]:
     """Each region's dtype, `(batch, heads, width)` (its shape but the token axis) and what it is, under `layer`'s
-    patch: exact regions in the model's dtype `[batch, kv_heads, tokens, head_dim]`, the middle as its codecs store
-    it `[batch, 1, tokens, width]`, salient indices int32 and scores float32 `[batch, kv_heads, tokens, 1]`."""
+    patch: exact regions in the model's dtype `[batch, kv_heads, tokens, head_dim]` (salient copies and the window
+    as `copy_layout` holds their bits, with their scales), the middle as its codecs store it `[batch, 1, tokens,
+    width]`, salient indices int32 and scores float32 `[batch, kv_heads, tokens, 1]`."""
     lp = layer.patch
     dtype, heads = lp.patch.dtype, lp.keys.basis.heads
     exact = {kind: (dtype, (batch, heads, getattr(lp, kind).basis.head_dim), f"exact {kind}")

@@ -152,7 +152,7 @@ class Salience(Method):
     bits 16: the copies are exact, in the model's dtype; 8: each key and value copy is held as int8 with a float32
     scale (symmetric, its largest magnitude at 127: a relative error under 0.4%, MiKV's "kept sharper, not exact"),
     so the same bytes keep 1.8 times as many tokens (`copy_bytes`); 4: int4, two to a byte, with a float32 scale (its
-    largest magnitude at 7), twice int8's tokens again for about the same bytes."""
+    largest magnitude at 7), 1.8 times int8's tokens again for the same bytes at head_dim 64."""
 
     role = "salience"
     #: whether `score` reads this forward's queries (`Observation`): the attention path then passes them

@@ -1,4 +1,4 @@
-"""`SinksWindow`: the first `sink_tokens` and the last `window` tokens stay exact K/V (or the window int8).
+"""`SinksWindow`: the first `sink_tokens` and the last `window` tokens stay exact K/V (or the window int8 / int4).
 
     position:  0 .. sinks-1 | sinks .. T-window-1 | T-window .. T-1
     stored as: exact K/V    | latents (or codes)  | exact K/V (bits=16), int8 / int4 K/V + a scale per token (8, 4)
@@ -10,7 +10,9 @@ there the method does not apply (`LatentCache.describe()` says so per layer).
 bits 8 holds the window between forwards as int8 with a float32 scale per token, head and kind (symmetric, the
 largest magnitude at 127, as `Salience(bits=8)` holds its copies): a relative error under 0.4% for about half the
 bytes (`token_bytes`), so a budget buys twice the window, or more bits for the codes; bits 4 holds it as int4, two
-to a byte (the largest magnitude at 7). A forward reads its own tokens exact, and the sinks stay exact.
+to a byte (the largest magnitude at 7). A forward reads its own tokens exact, and the sinks stay exact. Tokens leave
+the window for the codes (and a salience method's copies) from its read-back, so an int4 window's error reaches
+them too.
 """
 
 from __future__ import annotations
