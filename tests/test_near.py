@@ -190,7 +190,8 @@ def test_kept_tokens_are_chosen_over_near_and_middle_and_keep_their_index_as_the
             score = -exact.norm(dim=-1)
             candidates = torch.arange(layer.coded_len).expand_as(score) if expected is None else \
                 torch.cat([expected, torch.full_like(expected[..., :1], layer.coded_len - 1)], dim=-1)
-            best = score.gather(2, candidates).topk(method.capacity(layer.coded_len), dim=-1).indices
+            ranked = score.gather(2, candidates).sort(dim=-1, descending=True, stable=True).indices  # ties: the earlier
+            best = ranked[..., :method.capacity(layer.coded_len)]
             expected = candidates.gather(2, best).sort(-1).values
             index = layer.tensors["salient_index"].squeeze(-1).long()
             assert torch.equal(index, expected)

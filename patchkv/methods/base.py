@@ -143,7 +143,7 @@ class Salience(Method):
     the tokens its `score` ranks highest among those the head has coded. Tokens are scored once, as they leave the
     window (the whole prefill at once, one token per decode step); each full-attention layer keeps, per KV head, the
     `capacity(coded)` best seen so far (a newcomer that scores above the lowest displaces it, which is then read
-    from its codes again). Attention reads a kept token's exact key and value in place of its codes; the cache
+    from its codes again; of equal scores the earlier token is kept). Attention reads a kept token's exact key and value in place of its codes; the cache
     counts their bytes, their coded index (int32) and their score (float32). Sliding-window layers keep none.
 
     scope "layer": a layer's KV heads keep the same tokens, ranked by their scores averaged over the heads (a needle
