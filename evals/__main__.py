@@ -32,7 +32,7 @@ import math
 import random
 import shlex
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -252,7 +252,8 @@ def point_labels(rows: list[dict]) -> list[str]:
         return row["method"].split("-")[0] if row["family"].startswith("patchkv") else row["method"]
 
     place = [(r["task"], r["context"], r["family"], short(r)) for r in rows]
-    return [short(r) if place.count(p) == 1 else r["method"].removeprefix("kvpress ") for r, p in zip(rows, place)]
+    taken = Counter(place)
+    return [short(r) if taken[p] == 1 else r["method"].removeprefix("kvpress ") for r, p in zip(rows, place)]
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -87,9 +87,9 @@ def _near(ratio: int, basis: str = "head", salience=None, regions=None, near=pat
     """`ratio` with near codes from the same bytes, on per-head or layer bases, and a salience method's copies beside
     them: "16x-near", "16x-layer-near", "16x-near-novelty", "16x-layer-near-novelty", with int8 copies
     "16x-near-novelty-int8" (int4 "-int4"), with `regions` `INT8_WINDOW` (an int8 window) "-w8" after the name, and
-    with near codes at 4 times the middle's bits (`NEAR4`) "near4" in place of "near"; a salience fraction other than the usual one for
-    its copies is named by its inverse ("novelty128-int8": 1/128 as int8 copies; int8 and int4 copies' usual fraction is
-    `INT8_FRACTION`)."""
+    with near codes at 4 times the middle's bits (`NEAR4`) "near4" in place of "near"; a salience fraction other than
+    the usual one for its copies is named by its inverse ("novelty128-int8": 1/128 as int8 copies; int8 and int4
+    copies' usual fraction is `INT8_FRACTION`)."""
     layer = "-layer" if basis == "layer" else ""
     factor = "" if near.factor == patchkv.NearCodes().factor else str(near.factor)
     usual = INT8_FRACTION if salience is not None and salience.bits != 16 else SALIENT_FRACTION

@@ -8,11 +8,11 @@ pre-RoPE mode, rotated in post-RoPE mode):
     near_keys, near_values       [batch, 1, near, near width]          the newest codes, at the near rate
     recent_keys, recent_values   [batch, kv_heads, window, head_dim]   exact, or int8 / int4 between forwards
     recent_scale                 [batch, kv_heads, window, 2 or 0]     an int8 / int4 window's scales (float32)
-    salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience): exact, int8, int4
+    salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience), 16/8/4 bits
     salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
     salient_scale                [batch, kv_heads, s, 2 or 0]          int8 / int4 copies' scales (float32)
 
-int4 copies and windows are stored two to a byte, `[..., head_dim / 2]` uint8 (`copy_layout`).
+int4 copies and windows are stored two to a byte, `[..., head_dim / 2]` uint8 (`methods.base.copy_layout`).
 
 These are the stored names (`patchkv.cache_file` writes them): `latent_*` hold the middle, `recent_*` the window
 (the regions' words are sinks, middle, near and window; the stored names stay as cache files hold them).
@@ -174,7 +174,7 @@ class LatentLayer(CacheLayerMixin):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
             self.device, self.is_initialized = keys.device, True
         t = self.tensors
-        if t[WINDOW_SCALE].shape[-1]:  # an int8 / int4 window: this forward reads it and its own tokens in the model's dtype
+        if t[WINDOW_SCALE].shape[-1]:  # an int8 / int4 window: this forward reads it, and its own tokens, as the model
             t["recent_keys"], t["recent_values"] = _read_copies(t, "recent", keys.dtype)
             t.update(no_window_scale(t["recent_keys"]))
         room = max(0, self.sink_tokens - self.cumulative_length)  # the sequence's first tokens (a sliding layer drops
@@ -610,20 +610,12 @@ def no_salient(keys: torch.Tensor, values: torch.Tensor, salience: Salience | No
             "salient_score": keys.new_zeros(shape, dtype=torch.float32), "salient_scale": empty[2]}
 
 
-def copy_layout(bits: int, dtype: torch.dtype, head_dim: int) -> tuple[torch.dtype, int, int]:
-    """How keys or values of `head_dim` held at `bits` (`COPY_BITS`) are stored: (dtype, width, scale width): the
-    model's `dtype` at 16 bits, no scale; int8 at 8; int4 two to a byte (uint8, `head_dim / 2`) at 4; a float32 scale
-    per token, head and kind, for each of keys and values (2) at 8 and 4."""
-    if bits == 16:
-        return dtype, head_dim, 0
-    return (torch.int8, head_dim, 2) if bits == 8 else (torch.uint8, head_dim // 2, 2)
-
-
 def _copies(keys: torch.Tensor, values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys and values `[batch, kv_heads, n, head_dim]` as a salience method holds its copies (and a window its
-    tokens), and their scales `[batch, kv_heads, n, 2]` float32 (`copy_layout`): at 16 bits the tensors themselves and
-    no scale (width 0); at 8, int8 with a symmetric scale per token, head and kind (the largest magnitude at 127); at 4,
-    the same at 7, each level stored as level + 8 in one half of a byte (even components in the low half)."""
+    tokens), and their scales `[batch, kv_heads, n, 2]` float32 (`methods.base.copy_layout`): at 16 bits the tensors
+    themselves and no scale (width 0); at 8, int8 with a symmetric scale per token, head and kind (the largest
+    magnitude at 127); at 4, the same at 7, each level stored as level + 8 in one half of a byte (even components in
+    the low half)."""
     if bits == 16:
         return keys, values, keys.new_zeros((*keys.shape[:3], 0), dtype=torch.float32)
     if bits == 4 and keys.shape[-1] % 2:

@@ -42,8 +42,8 @@ layer holds all its regions (or none does, for an empty cache) and all have seen
 the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
 and those are what the layer's patch holds: exact regions in the patch's dtype `[batch, kv_heads, n, head_dim]`, the
 middle and the near tokens in their codecs' stored dtype and width `[batch, 1, m, width]`, salient copies and the window in the
-patch's dtype (or int8, or int4 two to a byte, with 2 scales: `patchkv.cache.copy_layout`), salient indices int32 and
-scores float32, one
+patch's dtype (or int8, or int4 two to a byte, with 2 scales: `patchkv.methods.base.copy_layout`), salient indices
+int32 and scores float32, one
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
 sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
 in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
@@ -68,10 +68,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import (NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, copy_layout, no_near, no_salient,
-                    no_window_scale)
+from .cache import NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, no_near, no_salient, no_window_scale
 from .errors import PatchKVError
 from .lossless import InflateError, check_compress, deflate, inflate
+from .methods.base import copy_layout
 
 FORMAT = "patchkv_cache"
 VERSION = 5

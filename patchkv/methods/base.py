@@ -50,10 +50,20 @@ def spec_of(method: Method, always: tuple[str, ...] = ()) -> str:
     return f"{method.name}:{','.join(shown)}" if shown else method.name
 
 
+def copy_layout(bits: int, dtype: torch.dtype, head_dim: int) -> tuple[torch.dtype, int, int]:
+    """How keys or values of `head_dim` held at `bits` (`COPY_BITS`) are stored in a `patchkv.cache` layer: (dtype,
+    width, scale width): the model's `dtype` at 16 bits, no scale; int8 at 8; int4 two to a byte (uint8, `head_dim /
+    2`) at 4; a float32 scale per token, head and kind, for each of keys and values (2) at 8 and 4."""
+    if bits == 16:
+        return dtype, head_dim, 0
+    return (torch.int8, head_dim, 2) if bits == 8 else (torch.uint8, head_dim // 2, 2)
+
+
 def token_kv_bytes(head_dim: int, bits: int) -> int:
-    """Bytes one token's key and value take in one KV head of `head_dim` held at `bits` (`COPY_BITS`): 16-bit, or
-    int8 / int4 (two to a byte) and a float32 scale each."""
-    return 2 * (2 * head_dim if bits == 16 else head_dim * bits // 8 + 4)
+    """Bytes one token's key and value take in one KV head of `head_dim` held at `bits` (`COPY_BITS`), as
+    `copy_layout` stores them: 16-bit, or int8 / int4 (two to a byte) and a float32 scale each."""
+    held, width, scales = copy_layout(bits, torch.bfloat16, head_dim)
+    return 2 * width * held.itemsize + 4 * scales
 
 
 class Method:
