@@ -19,12 +19,12 @@ These are the stored names (`patchkv.cache_file` writes them): `latent_*` hold t
 
 Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
 `near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
-older ones move on into the middle, coded again at its rate (decoded, then encoded). A plan with a `Salience` method keeps,
-per KV head, the coded tokens (middle and near) it scores highest exact as well (scored as they leave the window, the
-best `capacity(coded)` so far, indexed in position order over the middle then the near tokens, an index a token keeps
-as it moves from one to the other); attention reads those in place of their codes (`patchkv.operands.dense`, and the
-decode step's exact tokens). A forward's own tokens are read exact, as transformers' `QuantizedCache` does, and so is the
-window of `window` tokens before them.
+older ones move on into the middle, coded again at its rate (decoded, then encoded), `near_block` or more at a
+time. A plan with a `Salience` method keeps, per KV head, the coded tokens (middle and near) it scores highest exact
+as well (scored as they leave the window, the best `capacity(coded)` so far, indexed in position order over the middle
+then the near tokens, an index a token keeps as it moves from one to the other); attention reads those in place of
+their codes (`patchkv.operands.dense`, and the decode step's exact tokens). A forward's own tokens are read exact, as
+transformers' `QuantizedCache` does, and so is the window of `window` tokens before them.
 
 The layer contract (`transformers`' `CacheLayerMixin`, with the tokens' true positions in `cache_kwargs`):
 
@@ -71,6 +71,8 @@ from .visible import Visible
 
 #: the middle's buffer grows by this many tokens at a time
 PAGE = 64
+#: the near region's oldest tokens move into the middle in blocks of at least a this-many-th of the region
+NEAR_BLOCKS = 64
 SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score", "salient_scale")
 NEAR = ("near_keys", "near_values")
 #: an int8 / int4 window's scales (width 0 while the window is exact)
@@ -131,6 +133,7 @@ class LatentLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.salience = None if self.is_sliding else salience  # a sliding layer keeps only its last tokens
         self.near_tokens = near_tokens
+        self.near_block = max(1, near_tokens // NEAR_BLOCKS)  # the fewest near tokens moving into the middle at once
         self.window_bits = window_bits  # 8 / 4: the window held as int8 / int4 between forwards
         self.track = track if track is not None else PositionTrack()
         self.tensors: dict[str, torch.Tensor] = {}
@@ -232,6 +235,8 @@ class LatentLayer(CacheLayerMixin):
         t, lp = self.tensors, self.patch
         held, leaving = self.near_len, exact[0].shape[2]
         moving = max(0, held + leaving - self.near_tokens)  # the oldest of the near region and the newcomers
+        if moving:  # a decode step's one newcomer moves a block: recoding runs every `near_block` steps, not each
+            moving = min(max(moving, self.near_block), held + leaving)
         recoded, direct = min(moving, held), moving - min(moving, held)
         for i, (kind, x) in enumerate(zip(("keys", "values"), exact)):
             middle, near = getattr(lp, kind), getattr(lp, f"near_{kind}")

@@ -64,6 +64,38 @@ def test_the_newest_tokens_stay_near_at_the_finer_rate():
         assert lp.near_keys.width > lp.keys.width and layer.tensors["near_keys"].shape[-1] == lp.near_keys.width
 
 
+def test_decode_steps_move_near_tokens_into_the_middle_a_block_at_a_time():
+    """Once the near region is full, a decode step's newcomer moves the oldest `near_block` (a sixty-fourth of the
+    region) into the middle at once: the region never holds more than its tokens, nor fewer than a block less one,
+    and every token holds the codes it would have held moving one at a time (its codes at the near rate, or the
+    middle's recoded from them: layer 0, whose keys and values do not depend on the cache), so only where the boundary
+    falls differs; a multi-token forward moves what left."""
+    model, art = lossy()
+    ids = calibration_ids(1, 200, seed=6)
+    methods = [*REGIONS, patchkv.NearCodes(128, factor=3)]
+    with patchkv.patched(model, art, methods):
+        caches = [model(ids[:, :150], use_cache=True).cache for _ in range(2)]
+        for layer in caches[1].layers:
+            layer.near_block = 1  # the reference: one token at a time
+        assert caches[0].layers[0].near_block == 2
+        ahead = 0
+        for t in range(150, 190):
+            caches = [model(ids[:, t:t + 1], cache=c, use_cache=True).cache for c in caches]
+            for blocked, single in zip(*(c.layers for c in caches)):
+                assert single.near_len == 128 and 127 <= blocked.near_len <= 128
+                assert blocked.middle_len + blocked.near_len == single.middle_len + single.near_len
+            blocked, single = (c.layers[0] for c in caches)
+            m, ms = blocked.middle_len, single.middle_len  # the blocked cache moves first, by a block
+            assert ms <= m < ms + 2
+            ahead += m > ms
+            for kind in ("keys", "values"):
+                assert torch.equal(blocked.tensors[f"latent_{kind}"][:, :, :ms], single.tensors[f"latent_{kind}"])
+                assert torch.equal(blocked.tensors[f"near_{kind}"], single.tensors[f"near_{kind}"][:, :, m - ms:])
+        assert ahead == 20  # every other step
+        caches = [model(ids[:, 190:], cache=c, use_cache=True).cache for c in caches]
+        assert all(layer.near_len == 128 for c in caches for layer in c.layers)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_decode_steps_read_the_near_codes_as_the_dense_path_does(family, mode, attn, monkeypatch):
     """A decode step (the near region in a pass of its own, merged with the middle and the exact tokens) gives the

@@ -7,8 +7,10 @@ Attention reads the tokens just behind the window more than older ones, and code
 tokens of SmolLM2's calibration text at 16x (the shipped bases), the newest 224, 480 or 960 coded tokens at twice
 the bits, the rest a little coarser to pay for them, take perplexity from +14.1% to +11.5%, +9.0% and +7.2%: the
 default keeps 960. As tokens leave the window they are coded at the near rate; once more than `tokens` are held
-there, the oldest are coded again at the middle's rate (decoded, then encoded on the same basis). A budget pays for
-them (`parse_budget("16x+near")`): the middle's bits are what is left.
+there, the oldest are coded again at the middle's rate (decoded, then encoded on the same basis), a block of at least
+a sixty-fourth of `tokens` at a time (15 of the default 960: a decode step recodes once every 15 steps, not each
+step, and the region holds 946 to 960 tokens). A budget pays for them (`parse_budget("16x+near")`): the middle's bits
+are what is left.
 
 Needs a codec with a rate (`Quantized`); not combined with a `Selector` (refused when the plan is built). With a
 `Salience` method ("16x+near+novelty") the tokens it keeps exact are chosen among the near tokens and the middle alike.
