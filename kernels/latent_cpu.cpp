@@ -72,6 +72,7 @@ struct Table {
   const int32_t* wide;
   int64_t heads;
   int64_t widest;  // most components of any head
+  bool shared;     // every head reads the same components from the same bits (a layer basis): unpacked once
 };
 
 Table make_table(const torch::Tensor& head_start, const torch::Tensor& byte, const torch::Tensor& shift,
@@ -84,8 +85,16 @@ Table make_table(const torch::Tensor& head_start, const torch::Tensor& byte, con
               step.is_contiguous() && offset.is_contiguous(), "component table: float32 steps and offsets");
   Table t{head_start.data_ptr<int32_t>(), byte.data_ptr<int32_t>(), shift.data_ptr<int32_t>(),
           mask.data_ptr<int32_t>(), step.data_ptr<float>(), offset.data_ptr<float>(), wide.data_ptr<int32_t>(),
-          head_start.numel() - 1, 1};
+          head_start.numel() - 1, 1, false};
   for (int64_t h = 0; h < t.heads; ++h) t.widest = std::max<int64_t>(t.widest, t.head_start[h + 1] - t.head_start[h]);
+  t.shared = t.heads > 1;
+  for (int64_t h = 1; h < t.heads && t.shared; ++h) {
+    const int32_t a = t.head_start[0], K = t.head_start[1] - a, c = t.head_start[h];
+    t.shared = t.head_start[h + 1] - c == K;
+    for (int32_t k = 0; k < K && t.shared; ++k)
+      t.shared = t.byte[c + k] == t.byte[a + k] && t.shift[c + k] == t.shift[a + k] && t.mask[c + k] == t.mask[a + k] &&
+                 t.wide[c + k] == t.wide[a + k] && t.step[c + k] == t.step[a + k] && t.offset[c + k] == t.offset[a + k];
+  }
   return t;
 }
 
@@ -450,7 +459,7 @@ void for_each_block(const T* src, int64_t B, int64_t N, int64_t W, const Table& 
   over_blocks(src, B, N, W, [&] { return Buffers{std::vector<float>(BLOCK * t.widest), std::vector<float>(BLOCK * D)}; },
               [&](int64_t b, int64_t n0, int64_t count, const T* block, const uint8_t* pad, Buffers& s) {
     for (int64_t h = 0; h < t.heads; ++h) {
-      unpack_block(block, W, count, t, h, s.coef.data(), t.widest, pad);
+      if (h == 0 || !t.shared) unpack_block(block, W, count, t, h, s.coef.data(), t.widest, pad);
       for (int64_t j = 0; j < count; j += TB)
         rebuild(s.coef.data() + j * t.widest, t.widest, std::min<int64_t>(TB, count - j), h, s.keys.data() + j * D);
       if (rope.on())
@@ -583,7 +592,7 @@ std::vector<torch::Tensor> attend(
         const uint8_t* kpad = padded(kblock, W, count, kbuf);
         const uint8_t* vpad = padded(vblock, WV, count, vbuf);
         for (int64_t h = 0; h < H; ++h) {
-          unpack_block(kblock, W, count, t, h, coef.data(), t.widest, kpad);
+          if (h == 0 || !t.shared) unpack_block(kblock, W, count, t, h, coef.data(), t.widest, kpad);
           const float* qh = qp + (b * H + h) * G * (latent_space ? t.widest : D);
           if (latent_space) {
             const int64_t K = t.head_start[h + 1] - t.head_start[h];
@@ -603,7 +612,7 @@ std::vector<torch::Tensor> attend(
               for (int64_t g = 0; g < G; ++g) sc[j * G + g] = dot(qh + g * D, key, D);
             }
           }
-          unpack_block(vblock, WV, count, tv, h, vcoef.data(), SV, vpad);
+          if (h == 0 || !tv.shared) unpack_block(vblock, WV, count, tv, h, vcoef.data(), SV, vpad);
           const int32_t KV = tv.head_start[h + 1] - tv.head_start[h];
           for (int64_t g = 0; g < G; ++g) {
             const int64_t state = (b * H + h) * G + g;

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from patchkv.kernels import cpu, ops, reference
-from patchkv.latent import LatentBasis, PackedCodec
-from patchkv.methods.quantized import QuantizedCodec
+from patchkv.latent import LatentBasis, LayerBasis, PackedCodec
+from patchkv.methods.quantized import LayerQuantizedCodec, QuantizedCodec
 
 pytestmark = pytest.mark.skipif(not cpu.enabled(), reason="PATCHKV_CPU_KERNELS=0")
 
@@ -34,6 +34,17 @@ def quantized_codec(bits: torch.Tensor, dim: int, seed: int) -> QuantizedCodec:
     return QuantizedCodec(basis, torch.nn.functional.pad(bits, (0, dim - rank)), eigenvalues)
 
 
+def layer_codec(heads: int, bits: list[int], dim: int, seed: int) -> LayerQuantizedCodec:
+    """Codes on one basis for the layer's heads: every head reads the same components from the same bits (the
+    kernels unpack a token's codes once for all heads)."""
+    g = torch.Generator().manual_seed(seed)
+    width = heads * dim
+    eigenvectors = torch.linalg.qr(torch.randn(width, width, generator=g))[0]
+    basis = LayerBasis(torch.randn(width, generator=g), eigenvectors, len(bits), heads, 2, torch.float32)
+    per_component = torch.nn.functional.pad(torch.tensor(bits), (0, width - len(bits)))
+    return LayerQuantizedCodec(basis, per_component, torch.rand(width, generator=g) * 4 + 0.1)
+
+
 def packed_codec(ranks: list[int], dim: int, seed: int, dtype: torch.dtype) -> PackedCodec:
     g = torch.Generator().manual_seed(seed)
     eigenvectors = torch.linalg.qr(torch.randn(len(ranks), dim, dim, generator=g))[0]
@@ -47,6 +58,7 @@ CODECS = {
                                                d, 1),
     "codes, a head with none": lambda d: quantized_codec(torch.tensor([[3, 3, 2, 1], [0, 0, 0, 0]]), d, 2),
     "codes, none at all": lambda d: quantized_codec(torch.zeros(2, 3, dtype=torch.long), d, 3),
+    "codes, a layer basis": lambda d: layer_codec(3, [8, 6, 5, 4, 4, 3, 2, 2, 1, 1, 3, 7, 2, 1, 1, 1, 2, 5], d, 7),
     "floats": lambda d: packed_codec([5, 9, 2], d, 4, torch.float32),
     "bfloat16": lambda d: packed_codec([7, 7], d, 5, torch.bfloat16),
     "float16": lambda d: packed_codec([3, 1], d, 6, torch.float16),
