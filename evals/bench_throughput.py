@@ -125,13 +125,17 @@ def calibration_rows(model, tokenizer, tokens: int, repeats: int) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Each path and context's ratios to the fastest unpatched attention, a panel each; none drawn (and `path`
+    removed) where no unpatched method ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [(r["path"], r["context"]) for r in rows]
-    groups = list(dict.fromkeys(groups))
+    groups = list(dict.fromkeys((r["path"], r["context"]) for r in rows if r["ratio_to_unpatched"] != ""))
+    if not groups:
+        path.unlink(missing_ok=True)
+        return
     fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.6), squeeze=False)
     for ax, (p, context) in zip(axes[0], groups):
         mine = [r for r in rows if (r["path"], r["context"]) == (p, context) and r["ratio_to_unpatched"] != ""]

@@ -47,3 +47,17 @@ def test_bench_throughput_smoke(tmp_path, rounds):
     table = subprocess.run([sys.executable, "-m", "evals", "throughput", "--table", "--out", str(tmp_path), "--name",
                             "tp"], capture_output=True, text=True, cwd=ROOT)
     assert table.stdout.count("\n| ") == len(rows)
+
+
+def test_the_plot_draws_only_groups_measured_against_unpatched_attention(tmp_path):
+    """A run without an unpatched method has no ratio to draw: no plot is left (an earlier one of its name removed);
+    otherwise one panel per path and context that has ratios."""
+    from evals.bench_throughput import plot
+
+    path = tmp_path / "tp.png"
+    row = {"path": "decode", "context": 8192, "tokens": 1, "seconds": 0.2, "ratio_to_quantizedcache": ""}
+    plot([{**row, "method": "16x", "ratio_to_unpatched": 0.6},
+          {**row, "method": "unpatched", "ratio_to_unpatched": 1.0}], path)
+    assert path.stat().st_size > 0
+    plot([{**row, "method": "16x", "ratio_to_unpatched": ""}], path)
+    assert not path.exists()
