@@ -69,6 +69,11 @@ def attention_matmuls(heads: int, seq: int, dim: int, dtype: torch.dtype, device
     return {"qK": lambda: torch.bmm(q, kt), "pV": lambda: torch.bmm(p, v)}
 
 
+def significant(x: float) -> float:
+    """Four significant figures: a tiny GEMM on a slow CPU reads 0.00004 TFLOP/s, which fixed decimals round to 0."""
+    return float(f"{x:.4g}")
+
+
 def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The peak square matmul, then both sweeps -> CSV rows."""
     common = {"dtype": str(dtype).removeprefix("torch."), "device": device.type, "threads": torch.get_num_threads(),
@@ -80,7 +85,7 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> l
     square_intensity = 2 * n ** 3 / (3 * n * n * a.element_size())
     del a, b
     rows = [{**common, "sweep": "peak", "op": "square", "heads": 1, "seq": n, "inner_dim": n, "hidden": n,
-             "ms": round(peak_ms, 4), "tflops": round(peak, 3), "efficiency": 1.0,
+             "ms": significant(peak_ms), "tflops": significant(peak), "efficiency": 1.0,
              "flops_per_byte": round(square_intensity, 2)}]
     print(f"square {n}: {peak:.2f} TFLOP/s", flush=True)
     sweeps = [("head_dim", args.heads, d) for d in args.head_dims] + [("latent_rank", args.rank_heads, r)
@@ -92,8 +97,8 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> l
             tflops = flops / ms / 1e9
             moved = heads * (2 * args.seq * dim + args.seq ** 2) * torch.empty(0, dtype=dtype).element_size()
             rows.append({**common, "sweep": sweep, "op": op, "heads": heads, "seq": args.seq, "inner_dim": dim,
-                         "hidden": heads * dim, "ms": round(ms, 4), "tflops": round(tflops, 4),
-                         "efficiency": round(tflops / peak, 4), "flops_per_byte": round(flops / moved, 2)})
+                         "hidden": heads * dim, "ms": significant(ms), "tflops": significant(tflops),
+                         "efficiency": significant(tflops / peak), "flops_per_byte": round(flops / moved, 2)})
             print(f"{sweep:<11} {op} heads={heads} d={dim:<4} {ms:9.3f} ms {tflops:8.3f} TFLOP/s "
                   f"({100 * tflops / peak:.1f}% of square)", flush=True)
     return rows
