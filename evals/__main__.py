@@ -42,7 +42,8 @@ from patchkv.provenance import commit, machine
 from patchkv.records import SAMPLE_FIELDS, Point, Result, change, markdown, write_csv
 from patchkv.records import plot as records_plot
 
-from .suite import CONFIGS, PLOTTED, RESULTS, SMOLLM2, load_artifacts, load_smollm2, sixteen_bit_bytes_per_token
+from .suite import (CONFIGS, DTYPES, PLOTTED, RESULTS, SMOLLM2, load_artifacts, load_smollm2, models_dtype,
+                    sixteen_bit_bytes_per_token)
 from .suite import config as suite_config
 from .tasks import REGISTRY, TASKS, Ruler, wilson_half_width
 from .verbs import VERBS
@@ -89,10 +90,11 @@ def run(args: argparse.Namespace) -> None:
                          "tasks run with patchkv eval)")
     tasks = [TASKS[t] for t in args.tasks.split(",")]
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    model, tokenizer = load_smollm2(getattr(torch, args.dtype))
-    artifacts = load_artifacts(getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype) if args.dtype else models_dtype()
+    model, tokenizer = load_smollm2(dtype)
+    artifacts = load_artifacts(dtype)
     stamp = {"commit": commit(), "command": command(), "machine": machine(), "threads": torch.get_num_threads(),
-             "dtype": args.dtype}
+             "dtype": str(dtype).removeprefix("torch.")}
     import patchkv
 
     for task in tasks:
@@ -287,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--tasks", default="ruler_niah_single_1")
     r.add_argument("--context", type=int, default=4096)
     r.add_argument("--samples", type=int, default=100)
-    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    r.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="the models' dtype (default: PATCHKV_EVALS_DTYPE where set, else bfloat16)")
     r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p = sub.add_parser("peers", help="score evals/peers' kvpress answers into the same records")
     p.add_argument("--predictions", required=True)

@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--block", type=int, default=16, help="tokens per stored block")
     args = parse(p, argv)
-    model, tokenizer = load_smollm2(torch.bfloat16)
-    artifacts = load_artifacts(torch.bfloat16)
+    model, tokenizer = load_smollm2()
+    artifacts = load_artifacts()
     rotations = Rotations.from_model(model)
     codecs = {(budget, mode): BlockCodec.from_budget(artifact, budget, rotations, block_tokens=args.block,
                                                      prefix_tokens=args.prefix)

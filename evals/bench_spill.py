@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", type=int, default=32, help="tokens per stored block")
     p.add_argument("--level", type=int, default=Spill.level, help="zlib level of the lossless stage")
     args = parse(p, argv)
-    model, tokenizer = load_smollm2(torch.bfloat16)
-    artifact = load_artifacts(torch.bfloat16)["pre_rope"]
+    model, tokenizer = load_smollm2()
+    artifact = load_artifacts()["pre_rope"]
     rotations = Rotations.from_model(model)
     full = 2 * 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim
     rows = []

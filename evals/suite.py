@@ -9,13 +9,18 @@ A configuration (`patchkv.configs`, which `patchkv report` builds its own from t
 `patchkv` configs compress the cache at a ratio against the bf16
 cache, every byte counted (codes, the exact sinks and window, the int32 positions) at the context they run at;
 `QuantizedCache` configs are transformers' own quantized cache. Every result file a benchmark writes has a
-provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads, versions, date).
+provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads, versions, date, the models' dtype).
+
+The reference models load in bfloat16, or in the dtype `PATCHKV_EVALS_DTYPE` names (`float32`): on a CPU without
+native bf16 arithmetic (AVX2 only) torch's bf16 matmuls run 5-90x slower than float32, so the test suite's real-model
+checks set it (tests/conftest.py). Figures in evals/results are bfloat16 unless their provenance says otherwise.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import cache
@@ -37,17 +42,29 @@ BASES = ROOT / "artifacts" / "smollm2-bases"
 GEMMA3 = ROOT / ".models" / "gemma-3-270m"
 GEMMA3_BASES = ROOT / "artifacts" / "gemma3-bases"
 RESULTS = ROOT / "evals" / "results"
+DTYPES = ("bfloat16", "float32")
 
 
-def load_smollm2(dtype: torch.dtype = torch.bfloat16, attn: str = "sdpa", rope_factor: float = 1.0):
-    """(model, tokenizer): SmolLM2-135M-Instruct from the folder `scripts/setup.sh` writes, in eval mode.
-    rope_factor > 1: its RoPE scaled linearly by that factor (positions past its trained 8k)."""
+def models_dtype() -> torch.dtype:
+    """The dtype the reference models and their bases load in: `PATCHKV_EVALS_DTYPE` (bfloat16 or float32), else
+    bfloat16."""
+    name = os.environ.get("PATCHKV_EVALS_DTYPE", "bfloat16")
+    if name not in DTYPES:
+        raise SystemExit(f"PATCHKV_EVALS_DTYPE={name!r}: expected one of {', '.join(DTYPES)}; unset it for bfloat16")
+    return getattr(torch, name)
+
+
+def load_smollm2(dtype: torch.dtype | None = None, attn: str = "sdpa", rope_factor: float = 1.0):
+    """(model, tokenizer): SmolLM2-135M-Instruct from the folder `scripts/setup.sh` writes, in eval mode, in `dtype`
+    (default `models_dtype()`). rope_factor > 1: its RoPE scaled linearly by that factor (positions past its trained
+    8k)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(SMOLLM2)
     if rope_factor > 1:
         config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": rope_factor}
-    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, config=config, dtype=dtype, attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, config=config, dtype=dtype or models_dtype(),
+                                                 attn_implementation=attn).eval()
     return model, AutoTokenizer.from_pretrained(SMOLLM2)
 
 
@@ -139,8 +156,9 @@ def config(name: str) -> Config:
     return CONFIGS.get(name) or peer(name)
 
 
-def load_artifacts(dtype: torch.dtype = torch.bfloat16, bases: Path = BASES) -> dict[str, patchkv.Artifact]:
-    return {mode: patchkv.Artifact.load(bases / f"{mode}.safetensors").to_dtype(dtype)
+def load_artifacts(dtype: torch.dtype | None = None, bases: Path = BASES) -> dict[str, patchkv.Artifact]:
+    """{mode: artifact} of SmolLM2's shipped bases in `dtype` (default `models_dtype()`)."""
+    return {mode: patchkv.Artifact.load(bases / f"{mode}.safetensors").to_dtype(dtype or models_dtype())
             for mode in ("pre_rope", "post_rope")}
 
 
@@ -150,11 +168,13 @@ def sixteen_bit_bytes_per_token() -> float:
     return sixteen_bit_bytes(patchkv.Artifact.load(BASES / "pre_rope.safetensors"))
 
 
-def load_gemma3(dtype: torch.dtype = torch.bfloat16):
-    """(model, tokenizer): Gemma 3 270M from the folder `scripts/setup.sh` writes, in eval mode."""
+def load_gemma3(dtype: torch.dtype | None = None):
+    """(model, tokenizer): Gemma 3 270M from the folder `scripts/setup.sh` writes, in eval mode, in `dtype` (default
+    `models_dtype()`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(GEMMA3, dtype=dtype).eval(), AutoTokenizer.from_pretrained(GEMMA3))
+    return (AutoModelForCausalLM.from_pretrained(GEMMA3, dtype=dtype or models_dtype()).eval(),
+            AutoTokenizer.from_pretrained(GEMMA3))
 
 
 def text_ids(tokenizer, text: str, length: int) -> torch.Tensor:
@@ -202,5 +222,6 @@ def write_csv(rows: Sequence[dict], path: Path, fields: Sequence[str] | None = N
 def write_provenance(path: Path, extra: dict | None = None) -> Path:
     """`<path>.provenance.json` beside a result file."""
     side = path.with_name(path.name + ".provenance.json")
-    side.write_text(json.dumps({**provenance(), **(extra or {})}, indent=2) + "\n")
+    side.write_text(json.dumps({**provenance(), "dtype": str(models_dtype()).removeprefix("torch."), **(extra or {})},
+                               indent=2) + "\n")
     return side
