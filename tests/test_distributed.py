@@ -132,14 +132,15 @@ def _torchrun_env():
     return env | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
 
 
-@pytest.mark.parametrize("tokens", [pytest.param(500, id="short"),
-                                    pytest.param(1500, id="full", marks=pytest.mark.slow)])
-def test_cli_under_torchrun(tmp_path, tokens):
-    """`torchrun --nproc-per-node 2 -m patchkv calibrate ...`: rank 0 writes the artifact, equal to one process's."""
+@pytest.mark.parametrize("tokens,budgets", [pytest.param(500, "none", id="short"),
+                                            pytest.param(1500, "4x,8x,16x", id="full", marks=pytest.mark.slow)])
+def test_cli_under_torchrun(tmp_path, tokens, budgets):
+    """`torchrun --nproc-per-node 2 -m patchkv calibrate ...`: rank 0 writes the artifact, equal to one process's.
+    The short version fits no step scales (two thirds of its time); the full one fits the default budgets'."""
     lines = (ROOT / "patchkv" / "tasks" / "data" / "shakespeare_heldout.jsonl").read_text().splitlines()[:40]
     (tmp_path / "data.txt").write_text("\n".join(json.loads(line)["text"] for line in lines))
     args = ["calibrate", "--model", str(REF), "--data", str(tmp_path / "data.txt"), "--rank", "8",
-            "--seq-len", "64", "--max-tokens", str(tokens), "--sink-tokens", "2"]
+            "--seq-len", "64", "--max-tokens", str(tokens), "--sink-tokens", "2", "--budgets", budgets]
     torchrun = Path(sys.executable).parent / "torchrun"
     run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "patchkv", *args,
                           "--out", str(tmp_path / "dist")], env=_torchrun_env(), cwd=tmp_path,
