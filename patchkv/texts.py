@@ -67,6 +67,8 @@ def _dataset(spec: str, column: str, split: str, files: bool = False, saved: boo
     except ImportError as e:
         raise ImportError(f"--data {spec}: reading datasets needs the `datasets` package (pip install "
                           "'patchkv[eval]').") from e
+    # the local cache only: asking an unreachable Hub costs five retries, about 25 s, before the same error
+    was_offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
     try:
         if saved:
             data = datasets.load_from_disk(spec)
@@ -80,6 +82,8 @@ def _dataset(spec: str, column: str, split: str, files: bool = False, saved: boo
         raise FileNotFoundError(f"--data {spec}: could not load it as a dataset ({type(e).__name__}: "
                                 f"{' '.join(str(e).split())[:200]}). Pass a .txt file or folder, a folder saved "
                                 "with save_to_disk, or the name of a dataset in the local cache.") from e
+    finally:
+        datasets.config.HF_HUB_OFFLINE = was_offline
     if column not in data.column_names:
         raise ValueError(f"--data {spec}: no column {column!r} (columns: {', '.join(data.column_names)}); pass "
                          "--data-column.")

@@ -95,8 +95,10 @@ def test_read_texts_takes_files_folders_and_datasets(tmp_path):
         read_texts(str(rows))
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_texts("./missing.txt")
-    with pytest.raises(FileNotFoundError, match="could not load it as a dataset"):
-        read_texts("patchkv-no-such-dataset-name")
+    offline = datasets.config.HF_HUB_OFFLINE
+    with pytest.raises(FileNotFoundError, match="could not load it as a dataset.*OfflineModeIsEnabled"):
+        read_texts("patchkv-no-such-dataset-name")  # the local cache only: the Hub is not asked
+    assert datasets.config.HF_HUB_OFFLINE == offline  # as it was
 
 
 # ----- the CLI: calibrate with defaults, then report ----------------------------------------------------------------
