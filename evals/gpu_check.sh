@@ -30,7 +30,8 @@ if [[ "${1:-}" == "--cpu-smoke" ]]; then
   GEMM_ARGS=(--seq 64 --heads 64 --head-dims 1,8,64 --ranks 8,32 --rank-heads 8 --square 256 --repeats 2 --threads 1)
   SCALING_LIMIT=${SCALING_SECONDS:-1500}  # no device budget here; 2 busy cores take minutes for 512 tokens
   SCALING_ARGS=(--contexts 512 --methods unpatched,unpatched-eager,QUANTO8x,8x-top256 --prefill-max 512
-                --source-tokens 256 --batch8-max 512 --repeats 1 --chunk-repeats 1 --memory-contexts 0 --threads 1)
+                --source-tokens 256 --batch8-max 0 --repeats 1 --chunk-repeats 1 --memory-contexts 0 --threads 1)
+  # (batch 8 on CPU: tests/test_bench_scaling.py)
 else
   DEVICE=cuda
   INTERPRET=0

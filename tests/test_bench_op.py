@@ -53,10 +53,11 @@ def test_gemm_csv(smoke):
 
 
 def test_scaling_csv(smoke):
-    """The scaling step's rows, as gpu_check.sh --cpu-smoke runs it: 512 tokens prefilled, batch 1 and 8, on CPU."""
+    """The scaling step's rows, as gpu_check.sh --cpu-smoke runs it: 512 tokens prefilled, batch 1, on CPU (batch 8
+    on CPU: test_bench_scaling.py)."""
     got = rows(smoke / "scaling.csv")
     methods = ["unpatched", "unpatched-eager", *(["quanto-int4"] if _quanto() else []), "8x", "8x-top256"]
-    assert [(r["method"], int(r["batch"])) for r in got] == [(m, b) for b in (1, 8) for m in methods]
+    assert [(r["method"], int(r["batch"])) for r in got] == [(m, 1) for m in methods]
     for r in got:
         assert r["device"] == "cpu" and int(r["context"]) == 512 and float(r["decode_s"]) > 0
         assert float(r["middle_s"]) > 0 if r["method"].startswith("8x") else float(r["middle_s"]) == 0
