@@ -9,11 +9,12 @@ A configuration (`patchkv.configs`, which `patchkv report` builds its own from t
 `patchkv` configs compress the cache at a ratio against the bf16
 cache, every byte counted (codes, the exact sinks and window, the int32 positions) at the context they run at;
 `QuantizedCache` configs are transformers' own quantized cache. Every result file a benchmark writes has a
-provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads, versions, date, the models' dtype).
+provenance sidecar (`<file>.provenance.json`: commit, command, machine, threads, versions, date, `models_dtype`).
 
 The reference models load in bfloat16, or in the dtype `PATCHKV_EVALS_DTYPE` names (`float32`): on a CPU without
-native bf16 arithmetic (AVX2 only) torch's bf16 matmuls run 5-90x slower than float32, so the test suite's real-model
-checks set it (tests/conftest.py). Figures in evals/results are bfloat16 unless their provenance says otherwise.
+native bf16 arithmetic (AVX2 only) torch's bf16 runs 6x (a SmolLM2 forward) to 90x (a plain matmul) slower than
+float32 (README, quick start), so the test suite's real-model checks set it (tests/conftest.py). Figures in
+evals/results are bfloat16 unless their provenance says otherwise.
 """
 
 from __future__ import annotations
@@ -222,6 +223,6 @@ def write_csv(rows: Sequence[dict], path: Path, fields: Sequence[str] | None = N
 def write_provenance(path: Path, extra: dict | None = None) -> Path:
     """`<path>.provenance.json` beside a result file."""
     side = path.with_name(path.name + ".provenance.json")
-    side.write_text(json.dumps({**provenance(), "dtype": str(models_dtype()).removeprefix("torch."), **(extra or {})},
-                               indent=2) + "\n")
+    models = str(models_dtype()).removeprefix("torch.")  # what `load_smollm2` / `load_gemma3` load in here
+    side.write_text(json.dumps({**provenance(), "models_dtype": models, **(extra or {})}, indent=2) + "\n")
     return side

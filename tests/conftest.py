@@ -13,7 +13,7 @@ from transformers.utils import logging
 logging.set_verbosity_error()
 
 # The real-model checks (SmolLM2, Gemma 3, through evals.suite and the `python -m evals` commands they start) load the
-# models in float32: on a CPU without native bf16 arithmetic (AVX2 only) torch's bf16 matmuls run 5-90x slower, which
+# models in float32: on a CPU without native bf16 arithmetic (AVX2 only) torch's bf16 runs 6-90x slower, which
 # would take the suite past its time. bf16 arithmetic is checked on the tiny models (test_exactness, test_fast_decode,
 # test_near, test_int8_window); PATCHKV_EVALS_DTYPE=bfloat16 runs the real-model checks in bf16.
 os.environ.setdefault("PATCHKV_EVALS_DTYPE", "float32")
