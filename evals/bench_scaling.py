@@ -71,7 +71,7 @@ from patchkv.provenance import commit
 from .bench_memory import ALLOCATORS, status_mib
 from .bench_throughput import ratios_to, rounds
 from .profile_paths import prose_ids
-from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, read_csv, write_csv
+from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, prefill, read_csv, write_csv
 from .verbs import parse, parser, show_table
 
 FIELDS = ("method", "context", "batch", "fill", "decode_s", "decode_ratio", "projections_s", "exact_s", "middle_s",
@@ -80,7 +80,6 @@ FIELDS = ("method", "context", "batch", "fill", "decode_s", "decode_ratio", "pro
 METHODS = "unpatched,unpatched-eager,quanto-int4,4x,8x,16x,8x-top256"
 UNPATCHED = ("unpatched", "unpatched-eager")
 TRAINED = 8192  # SmolLM2's max_position_embeddings
-CHUNK = 1024  # tokens per prefill forward
 NOT_RUN = "not run"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -122,13 +121,6 @@ def source_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor
     cache = DynamicCache()
     prefill(model, ids, cache)
     return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def prefill(model, ids: torch.Tensor, cache) -> None:
-    """ids `[batch, n]` into `cache`, `CHUNK` tokens a forward."""
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], CHUNK):
-            model(input_ids=ids[:, start:start + CHUNK], cache=cache, use_cache=True, logits_to_keep=1)
 
 
 def fill(cache, source: list[tuple[torch.Tensor, torch.Tensor]], context: int, batch: int) -> None:

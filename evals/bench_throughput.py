@@ -32,7 +32,7 @@ from transformers import DynamicCache
 import patchkv
 
 from .profile_paths import prose_ids
-from .suite import CONFIGS, load_artifacts, load_smollm2, write_csv
+from .suite import CONFIGS, load_artifacts, load_smollm2, prefill, write_csv
 from .verbs import parse, parser, show_table
 
 FIELDS = ("path", "method", "context", "tokens", "seconds", "ratio_to_unpatched", "ratio_to_quantizedcache")
@@ -53,9 +53,7 @@ def runners(model, artifacts, names: list[str], ids: torch.Tensor, context: int,
         if patch is not None:
             patchkv.apply(twin, *patch)
         cache = patchkv.LatentCache(twin) if patch else config.cache(twin) if config.cache else DynamicCache()
-        with torch.no_grad():
-            for start in range(0, context, 1024):
-                twin(input_ids=ids[:, start:min(start + 1024, context)], cache=cache, use_cache=True)
+        prefill(twin, ids[:, :context], cache)
         position = [context]
 
         def run(twin=twin, cache=cache, position=position):

@@ -29,7 +29,7 @@ import patchkv
 from patchkv.kernels import cpu
 
 from .profile_paths import prose_ids
-from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, write_csv
+from .suite import CONFIGS, ROOT, load_artifacts, load_smollm2, prefill, write_csv
 from .verbs import parse, parser
 
 
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             twin = copy.deepcopy(model)
             patchkv.apply(twin, *CONFIGS[name].patch(artifacts, args.context))
             cache = patchkv.LatentCache(twin)
-            with torch.no_grad():
-                for start in range(0, args.context, 1024):
-                    twin(input_ids=ids[:, start:min(start + 1024, args.context)], cache=cache, use_cache=True)
+            prefill(twin, ids[:, :args.context], cache)
             if variant == "before":
                 for layer in cache.layers:
                     layer.near_block = 1

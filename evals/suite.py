@@ -178,6 +178,13 @@ def load_gemma3(dtype: torch.dtype | None = None):
             AutoTokenizer.from_pretrained(GEMMA3))
 
 
+def prefill(model, ids: torch.Tensor, cache, chunk: int = 1024) -> None:
+    """ids `[batch, n]` into `cache`, `chunk` tokens a forward, logits of each forward's last token only."""
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+
+
 def text_ids(tokenizer, text: str, length: int) -> torch.Tensor:
     """`[1, n]`: the first `length` tokens of `text`, after the tokenizer's BOS where it has one (as `patchkv report`
     feeds a text)."""
