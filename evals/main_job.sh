@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job (README, first command): SmolLM2-135M-Instruct calibrated with `patchkv calibrate`'s defaults, then
 # `patchkv report` on three held-out 4k documents (modern prose, Shakespeare, Milton: none in the calibration mix)
-# against the unpatched model and transformers' QuantizedCache. About 13 minutes on 2 CPU cores after setup.
+# against the unpatched model and transformers' QuantizedCache. About 13 minutes on 2 CPU cores after setup
+# where bf16 is native (several times that on an AVX2-only CPU, where torch emulates it: README, quick start).
 # Writes bases/smollm2/ and this run's evals/results/run/main_job/report.{md,csv,png} (report.md names the commit,
 # command, machine and date; neither folder is tracked), then says whether they reproduce a tracked run:
 # evals/results/main_job/ (the README's, made on an AMD EPYC) or evals/results/main_job/xeon/ (an Intel Xeon); bf16
