@@ -96,3 +96,22 @@ def test_a_family_keeps_its_colour_in_every_panel_and_panels_wrap(tmp_path, monk
     assert colours[0]["b"] == colours[1]["b"] != colours[1]["c"]
     assert len({c["a"] for c in (colours[0], *colours[2:])}) == 1
     assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["a", "b", "c"]
+
+
+def test_the_reference_models_dtype_is_bfloat16_unless_the_variable_names_another(monkeypatch, tmp_path):
+    """`evals.suite.models_dtype`: PATCHKV_EVALS_DTYPE (the test suite sets float32) or bfloat16; anything else is
+    refused with the choices; provenance records it."""
+    import json
+
+    import torch
+
+    from evals.suite import models_dtype, write_provenance
+
+    monkeypatch.delenv("PATCHKV_EVALS_DTYPE", raising=False)
+    assert models_dtype() == torch.bfloat16
+    monkeypatch.setenv("PATCHKV_EVALS_DTYPE", "float32")
+    assert models_dtype() == torch.float32
+    assert json.loads(write_provenance(tmp_path / "x.csv").read_text())["models_dtype"] == "float32"
+    monkeypatch.setenv("PATCHKV_EVALS_DTYPE", "fp16")
+    with pytest.raises(SystemExit, match="expected one of bfloat16, float32"):
+        models_dtype()
