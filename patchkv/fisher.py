@@ -145,10 +145,11 @@ class FisherCapture:
             ~keep, torch.finfo(torch.float32).min)[None, None]
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-             counted: torch.Tensor, device: torch.device) -> float:
+             counted: torch.Tensor, device: torch.device, scored: torch.Tensor | None = None) -> float:
         """One row: input_ids, attention_mask, position_ids, counted (the tokens whose gradients enter F,
         bool) all `[1, seq]`. Runs a forward and a backward of the summed next-token loss; returns that loss
-        (nats)."""
+        (nats). scored: bool `[1, seq]`, the tokens whose prediction (from the tokens before them) enters the loss
+        (None: every real token after the first); e.g. only an answer's tokens, for a retrieval row."""
         real = attention_mask.bool()
         # exact pairs: the row's first sink_tokens real tokens, and keys within `window` of the query
         sink = real & (attention_mask.cumsum(1) <= self.sink_tokens)
@@ -162,7 +163,8 @@ class FisherCapture:
             with torch.enable_grad():
                 logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                     position_ids=position_ids.to(device), use_cache=False).logits
-                targets = input_ids[:, 1:].masked_fill(~real[:, 1:], -100).to(logits.device)
+                wanted = real[:, 1:] if scored is None else real[:, 1:] & scored[:, 1:].bool()
+                targets = input_ids[:, 1:].masked_fill(~wanted, -100).to(logits.device)
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum",
                                        ignore_index=-100)
                 deltas = [self.row["deltas"][attn.layer_idx] for attn in self.modules]

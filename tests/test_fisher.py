@@ -94,6 +94,30 @@ def test_fisher_reads_through_the_librarys_attention_path(monkeypatch):
     assert path is patchkv.attention.attention_forward
 
 
+def test_scored_tokens_choose_the_loss():
+    """`scored` keeps only some predictions in the loss (an answer's tokens): the loss is theirs, and F is the Fisher
+    of that loss (the reference: the model's own loss over the same targets)."""
+    model = make_model("llama", attn="eager")
+    adapter = adapter_for(model)
+    modules = attention_modules(model, adapter)
+    ids, mask = calibration_ids(1, SEQ), torch.ones(1, SEQ, dtype=torch.long)
+    positions = torch.arange(SEQ).unsqueeze(0)
+    answer = torch.zeros(1, SEQ, dtype=torch.bool)
+    answer[0, -5:] = True
+    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=0, window=0) as fisher:
+        loss = fisher.step(ids, mask, positions, mask.bool(), torch.device("cpu"), scored=answer)
+    labels = ids.masked_fill(~answer, -100)
+    want = model(ids, labels=labels).loss.item() * 5
+    assert loss == pytest.approx(want, rel=1e-5)
+    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=0, window=0) as whole:
+        whole.step(ids, mask, positions, mask.bool(), torch.device("cpu"))
+    assert fisher.keys.abs().max() > 0
+    assert not torch.allclose(fisher.keys, whole.keys)
+    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=0, window=0) as every:
+        every.step(ids, mask, positions, mask.bool(), torch.device("cpu"), scored=mask.bool())
+    assert torch.equal(every.keys, whole.keys) and torch.equal(every.values, whole.values)
+
+
 def test_exact_pairs_carry_no_gradient():
     """Sinks are never compressed (their gradients are zero); a window as long as the sequence leaves nothing."""
     model = make_model("llama")
