@@ -29,7 +29,7 @@ VERBS = {
     "gemma-effect": "research_gemma_effect", "quantizer": "research_quantizer", "scales-vq": "research_scales_vq",
     "salience-variants": "research_salience", "shared-basis": "research_shared_basis",
     "step-loss": "research_step_loss", "figures": "research_figures", "needle-precision": "research_precision",
-    "decode-ab": "research_decode_ab",
+    "decode-ab": "research_decode_ab", "retrieval-weights": "research_retrieval_weights",
     # the shipped data, bases and reference models
     "build-mix": "build_calibration_mix", "build-prose": "build_prose", "build-tasks": "build_tasks",
     "calibrate": "calibrate_smollm2", "train-reference": "train_reference_model",
