@@ -17,6 +17,7 @@ Variants of the pre-RoPE artifact, every other field as shipped (bases, step sca
 - `shipped`: its effect weights;
 - `mixed`: each kind's weights from the prose Fisher and the retrieval Fisher, each scaled to the same total effect
   (sum over components of variance x weight, keys and values together) and added: equal say;
+- `mixedK`: the retrieval Fisher's scaled to K times the prose's total effect;
 - `retrieval`: the retrieval Fisher's alone.
 Each runs `--config` (a suite configuration) on `needle_text` samples `--samples` and on the `--ppl` documents of
 `ppl_prose` (the suite's protocol, 64 tokens a forward). Output: `retrieval_weights.csv` (variant, task, index,
@@ -146,10 +147,24 @@ def shares(artifact: patchkv.Artifact, fisher: dict, bits: dict[str, list[dict[s
     return rows
 
 
+def weights(variant: str) -> tuple[float, float] | None:
+    """A variant's (prose, retrieval) shares of the effect weights: "shipped" None (the artifact's own), "mixed"
+    (1, 1), "mixedK" (1, K), "retrieval" (0, 1)."""
+    if variant == "shipped":
+        return None
+    if variant == "retrieval":
+        return 0.0, 1.0
+    try:
+        return 1.0, float(variant.removeprefix("mixed") or 1)
+    except ValueError:
+        raise SystemExit(f"retrieval-weights: variant {variant!r} is none of shipped, mixed, mixedK (K a number), "
+                         "retrieval") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser("retrieval-weights", __doc__, threads=2, name="retrieval_weights")
     p.add_argument("--config", default="16x", help="the suite configuration every variant runs")
-    p.add_argument("--variants", default="shipped,mixed,retrieval")
+    p.add_argument("--variants", default="shipped,mixed,retrieval", help="shipped, mixed, mixedK, retrieval")
     p.add_argument("--rows", type=int, default=24, help="retrieval rows the Fisher is measured on")
     p.add_argument("--seq", type=int, default=2048, help="tokens per retrieval row")
     p.add_argument("--samples", type=int, default=30, help="needle_text samples 0..n-1 at 4k")
@@ -159,9 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_smollm2()
     artifacts = load_artifacts()
     fisher = retrieval_fisher(model, tokenizer, args.rows, args.seq)
-    weights = {"shipped": None, "mixed": (1.0, 1.0), "retrieval": (0.0, 1.0)}
-    variants = {name: dict(artifacts, pre_rope=reweighted(artifacts["pre_rope"], fisher, *weights[name]))
-                if weights[name] else artifacts for name in args.variants.split(",")}
+    variants = {name: dict(artifacts, pre_rope=reweighted(artifacts["pre_rope"], fisher, *mix))
+                if (mix := weights(name)) else artifacts for name in args.variants.split(",")}
     config = CONFIGS[args.config]
     bits = {name: code_bits(model, config.patch(variant, 4096)) for name, variant in variants.items()}
     write_csv(shares(artifacts["pre_rope"], fisher, bits), args.out / f"{args.name}_shares.csv",

@@ -2,12 +2,13 @@
 own wordings and end with the answer, and reweighting mixes the two Fisher measures at equal total effect without
 touching the rest of the artifact."""
 
+import pytest
 import torch
 from conftest import calibration_ids, make_model
 from transformers import AutoTokenizer
 
 import patchkv
-from evals.research_retrieval_weights import NEEDLES, code_bits, retrieval_row, reweighted
+from evals.research_retrieval_weights import NEEDLES, code_bits, retrieval_row, reweighted, weights
 from evals.suite import ROOT, SMOLLM2
 from evals.tasks import NEEDLES as TEST_NEEDLES
 
@@ -70,3 +71,10 @@ def test_code_bits_count_what_each_layers_codes_hold():
         assert 8 * (keys - 1) < counted["keys"] <= 8 * keys or counted["keys"] == keys == 0
         assert 8 * (values - 1) < counted["values"] <= 8 * values or counted["values"] == values == 0
     assert sum(b["keys"] + b["values"] for b in bits) > 0
+
+
+def test_variant_names_give_the_two_shares():
+    assert weights("shipped") is None and weights("retrieval") == (0.0, 1.0)
+    assert weights("mixed") == (1.0, 1.0) and weights("mixed3") == (1.0, 3.0) and weights("mixed0.5") == (1.0, 0.5)
+    with pytest.raises(SystemExit, match="mixedK"):
+        weights("mixedmore")
