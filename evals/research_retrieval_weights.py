@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-from pathlib import Path
 
 import torch
 
@@ -40,7 +39,7 @@ from patchkv.adapters import adapter_for, attention_modules
 from patchkv.fisher import FisherCapture, effect_weights
 
 from .suite import CONFIGS, ROOT, SMOLLM2, load_artifacts, load_smollm2, write_csv
-from .tasks import NEEDLE_INTRO, TASKS
+from .tasks import NEEDLE_INTRO, TASKS, hide_needle
 from .verbs import parse, parser
 
 #: (the sentence hidden in the text, the question that asks for it): wordings of their own, none of needle_text's
@@ -69,13 +68,9 @@ def retrieval_row(tokenizer, text: str, seq: int, seed: int) -> tuple[torch.Tens
     question_ids = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(" " + number + ".", add_special_tokens=False)["input_ids"]
     intro = tokenizer(NEEDLE_INTRO, add_special_tokens=False)["input_ids"]
-    body = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
     room = seq - len(question_ids) - len(answer_ids) - len(intro) - 30  # the needle's own tokens
-    piece = piece[:body["offset_mapping"][room - 1][1]]
-    at = piece.find("\n", int(len(piece) * rng.uniform(0.1, 0.9)))
-    at = len(piece) if at < 0 else at
-    context = tokenizer(NEEDLE_INTRO + piece[:at] + "\n" + needle.format(n=number) + piece[at:],
-                        add_special_tokens=False)["input_ids"]
+    hidden, _ = hide_needle(tokenizer, piece, needle.format(n=number), room, rng)
+    context = tokenizer(NEEDLE_INTRO + hidden, add_special_tokens=False)["input_ids"]
     return torch.tensor([context + question_ids + answer_ids]), len(context) + len(question_ids)
 
 

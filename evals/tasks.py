@@ -242,6 +242,16 @@ NEEDLE_INTRO = ("Some important information is hidden inside the following text.
                 "you about it afterwards.\n\n")
 
 
+def hide_needle(tokenizer: Any, text: str, sentence: str, room: int, rng: random.Random) -> tuple[str, float]:
+    """`text` cut to its first `room` tokens with `sentence` on a line of its own at a depth drawn from `rng` in
+    [10%, 90%] and moved to the next line break -> (that text, the depth as a fraction of the cut text, 3 places)."""
+    body = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    text = text[: body["offset_mapping"][min(room, len(body["input_ids"])) - 1][1]]
+    at = text.find("\n", int(len(text) * rng.uniform(0.1, 0.9)))
+    at = len(text) if at < 0 else at
+    return text[:at] + "\n" + sentence + text[at:], round(at / len(text), 3)
+
+
 @dataclass(frozen=True)
 class NeedleText(Ruler):
     """A needle in real held-out text (`needle_text`): a 7-digit number in one of four wordings (`NEEDLES`), at a
@@ -267,16 +277,12 @@ class NeedleText(Ruler):
             needle, question = NEEDLES[rng.randrange(len(NEEDLES))]
             question_ids = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
             intro = tokenizer(NEEDLE_INTRO, add_special_tokens=False)["input_ids"]
-            body = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             room = context - len(question_ids) - len(intro) - 40  # the needle's own tokens
-            text = text[: body["offset_mapping"][min(room, len(body["input_ids"])) - 1][1]]
-            at = text.find("\n", int(len(text) * rng.uniform(0.1, 0.9)))
-            at = len(text) if at < 0 else at
-            hidden = NEEDLE_INTRO + text[:at] + "\n" + needle.format(n=number) + text[at:]
-            out.append({"task": self.name, "context_length": context, "index": index, "depth": round(at / len(text), 3),
-                        "context_ids": tokenizer(hidden, add_special_tokens=False)["input_ids"][:context - len(
-                            question_ids)], "question_ids": question_ids, "max_new_tokens": 16, "outputs": [number],
-                        "scorer": "contains_all"})
+            hidden, depth = hide_needle(tokenizer, text, needle.format(n=number), room, rng)
+            ids = tokenizer(NEEDLE_INTRO + hidden, add_special_tokens=False)["input_ids"]
+            out.append({"task": self.name, "context_length": context, "index": index, "depth": depth,
+                        "context_ids": ids[:context - len(question_ids)], "question_ids": question_ids,
+                        "max_new_tokens": 16, "outputs": [number], "scorer": "contains_all"})
         return out
 
 
