@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default="pre_rope,post_rope")
     ap.add_argument("--fisher-tokens", type=int, default=8192)
     ap.add_argument("--fisher-window", type=int, default=32)
+    ap.add_argument("--retrieval-rows", type=int, default=0,
+                    help="retrieval rows mixed into the effect weights (patchkv.retrieval; the shipped bases: none)")
     ap.add_argument("--step-budgets", type=budget_list, default="8x,16x,32x",
                     help="budgets the step scales are fitted for, one set each")
     ap.add_argument("--step-context", type=int, default=4096, help="the context a ratio is met at")
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 def calibrate(model, tokenizer, mode: str, args: argparse.Namespace, fisher_tokens: int) -> patchkv.Artifact:
     return patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32, max_tokens=args.max_tokens,
                              sink_tokens=args.sink_tokens, fisher_tokens=fisher_tokens,
-                             fisher_window=args.fisher_window, layer_bases=True,
+                             fisher_window=args.fisher_window, layer_bases=True, retrieval_rows=args.retrieval_rows,
                              source="general mix: Python docs prose + Shakespeare training works")
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from patchkv.nbytes import cache_nbytes
 from patchkv.perplexity import token_nll
 from patchkv.records import Result
+from patchkv.retrieval import INTRO, hide
 from patchkv.tasks import TASKS as REGISTRY
 from patchkv.tasks import Task, documents
 
@@ -228,7 +229,8 @@ class Continuation(Ruler):
                       seconds=time.perf_counter() - began)
 
 
-#: (the sentence hidden in the text, the question that asks for it); {n} is the number
+#: (the sentence hidden in the text, the question that asks for it); {n} is the number. None of them is one of the
+#: wordings calibration's retrieval rows use (`patchkv.retrieval.WORDINGS`)
 NEEDLES = (
     ("The pass key is {n}. Remember it. {n} is the pass key.", "What is the pass key? The pass key is"),
     ("Note for the reader: the access code for the archive is {n}.",
@@ -238,18 +240,6 @@ NEEDLES = (
     ("My grandmother's favourite number was {n}, and she wrote it on every letter.",
      "What was the grandmother's favourite number? Her favourite number was"),
 )
-NEEDLE_INTRO = ("Some important information is hidden inside the following text. Make sure to memorize it. I will quiz "
-                "you about it afterwards.\n\n")
-
-
-def hide_needle(tokenizer: Any, text: str, sentence: str, room: int, rng: random.Random) -> tuple[str, float]:
-    """`text` cut to its first `room` tokens with `sentence` on a line of its own at a depth drawn from `rng` in
-    [10%, 90%] and moved to the next line break -> (that text, the depth as a fraction of the cut text, 3 places)."""
-    body = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    text = text[: body["offset_mapping"][min(room, len(body["input_ids"])) - 1][1]]
-    at = text.find("\n", int(len(text) * rng.uniform(0.1, 0.9)))
-    at = len(text) if at < 0 else at
-    return text[:at] + "\n" + sentence + text[at:], round(at / len(text), 3)
 
 
 @dataclass(frozen=True)
@@ -276,10 +266,10 @@ class NeedleText(Ruler):
             number = str(rng.randrange(1_000_000, 10_000_000))
             needle, question = NEEDLES[rng.randrange(len(NEEDLES))]
             question_ids = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
-            intro = tokenizer(NEEDLE_INTRO, add_special_tokens=False)["input_ids"]
+            intro = tokenizer(INTRO, add_special_tokens=False)["input_ids"]
             room = context - len(question_ids) - len(intro) - 40  # the needle's own tokens
-            hidden, depth = hide_needle(tokenizer, text, needle.format(n=number), room, rng)
-            ids = tokenizer(NEEDLE_INTRO + hidden, add_special_tokens=False)["input_ids"]
+            hidden, depth = hide(tokenizer, text, needle.format(n=number), room, rng)
+            ids = tokenizer(INTRO + hidden, add_special_tokens=False)["input_ids"]
             out.append({"task": self.name, "context_length": context, "index": index, "depth": depth,
                         "context_ids": ids[:context - len(question_ids)], "question_ids": question_ids,
                         "max_new_tokens": 16, "outputs": [number], "scorer": "contains_all"})

@@ -10,6 +10,7 @@ at the same batch, count the same tokens and return the same `Artifact` as a sin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import numbers
@@ -30,6 +31,7 @@ from .errors import PatchKVError
 from .fisher import FisherCapture, effect_weights
 from .identity import model_identity
 from .pca import CovarianceAccumulator, select_ranks
+from .retrieval import mix_effect, retrieval_row, source_text
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids [batch, seq], attention_mask [batch, seq]
 
@@ -51,6 +53,8 @@ def calibrate(
     fisher_tokens: int = 0,
     fisher_window: int = 32,
     layer_bases: bool = False,
+    retrieval_rows: int = 0,
+    retrieval_seq: int = 2048,
 ) -> Artifact:
     """Calibrate PCA bases for `model`'s keys and values and return them as an `Artifact`.
 
@@ -82,12 +86,19 @@ def calibrate(
         then one latent that every head reads, which captures what the heads share. Costs a `[D, D]` moment per
         layer (D = kv_heads * head_dim) and `2 * layers * D * D` floats in the file (8.8 MB for SmolLM2, 268 MB
         for an 8-KV-head model of head_dim 128 and 32 layers).
+    retrieval_rows: also measure effect weights on this many retrieval rows of `retrieval_seq` tokens each
+        (`patchkv.retrieval`: the calibration text with a number hidden in it and asked for after it, the answer's
+        loss alone) and mix them with the text's at equal say, so the bit pool also keeps what retrieval reads. One
+        backward per row (on SmolLM2 on 2 CPU cores, about 30 s a row of 2,048 tokens). Needs `fisher_tokens` and the
+        data as text (a string or list of strings, with `tokenizer`), at least `8 * retrieval_seq` characters.
 
     In a process group of several processes, pass the same (unsharded) data on every rank; see the module
     docstring.
     """
     _check_options(mode=mode, max_tokens=max_tokens, sink_tokens=sink_tokens, seq_len=seq_len,
-                   batch_size=batch_size, fisher_tokens=fisher_tokens, fisher_window=fisher_window)
+                   batch_size=batch_size, fisher_tokens=fisher_tokens, fisher_window=fisher_window,
+                   retrieval_rows=retrieval_rows, retrieval_seq=retrieval_seq)
+    text = _retrieval_text(texts_or_dataloader, tokenizer, retrieval_rows, retrieval_seq)
     _check_not_patched(model)
     adapter = adapter_for(model)
     modules = attention_modules(model, adapter)
@@ -174,6 +185,10 @@ def calibrate(
             fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
     if seen < 2:
         raise ValueError("Calibration saw fewer than 2 tokens; pass more text (or a smaller sink_tokens).")
+    retrieval = _retrieval_fisher(model, adapter, modules, text, tokenizer, rows=retrieval_rows, seq=retrieval_seq,
+                                  mode=mode, sink_tokens=sink_tokens, window=fisher_window, layers=layer_bases,
+                                  here=here, device=device, progress=progress and here.rank == 0) \
+        if retrieval_rows else None
 
     parts = {}
     for kind, accs in stats.items():
@@ -202,6 +217,8 @@ def calibrate(
             weights=weights,
             **layer,
         )
+    if retrieval is not None:
+        parts = _with_retrieval_weights(parts, retrieval)
     selection = {"rank": None if rank is None else int(rank), "energy": None if energy is None else float(energy)}
     calibration = {"source": source or _describe(texts_or_dataloader), "tokens": seen, "sequences": sequences,
                    "seq_len": int(seq_len), "sink_tokens": int(sink_tokens), "rank_selection": selection}
@@ -210,6 +227,9 @@ def calibrate(
     if fisher_tokens:
         calibration["effect_weights"] = {"tokens": fisher.count, "window": int(fisher_window),
                                          "sink_tokens": int(sink_tokens)}
+    if retrieval_rows:
+        calibration["effect_weights"]["retrieval"] = {"rows": int(retrieval_rows), "seq": int(retrieval_seq),
+                                                      "tokens": retrieval.count, "share": 0.5}
     return Artifact(mode=mode, model=model_identity(model), calibration=calibration, **parts)
 
 
@@ -221,7 +241,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any, batch_size: Any,
-                   fisher_tokens: Any, fisher_window: Any) -> None:
+                   fisher_tokens: Any, fisher_window: Any, retrieval_rows: Any = 0, retrieval_seq: Any = 2048) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     for name, value, low, hint in (
@@ -231,10 +251,15 @@ def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any
         ("max_tokens", max_tokens, 1, "the number of tokens to collect statistics on, e.g. 65536"),
         ("fisher_tokens", fisher_tokens, 0, "0 skips effect weights; 8192 measures them"),
         ("fisher_window", fisher_window, 0, "the recent window SinksWindow keeps exact, e.g. 32"),
+        ("retrieval_rows", retrieval_rows, 0, "0 skips retrieval rows; 16 measures them"),
+        ("retrieval_seq", retrieval_seq, 1, "tokens per retrieval row, e.g. 2048"),
     ):
         if not _is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__}); "
                              f"pass {name}=<int> ({hint}).")
+    if retrieval_rows and not fisher_tokens:
+        raise ValueError(f"retrieval_rows={retrieval_rows} mixes retrieval rows' effect weights with the text's, and "
+                         "fisher_tokens=0 measures none: pass fisher_tokens (e.g. 8192) or retrieval_rows=0.")
 
 
 def _check_not_patched(model: nn.Module) -> None:
@@ -285,6 +310,67 @@ def _sum_over_ranks(accumulators: list[CovarianceAccumulator]) -> None:
     total = all_reduce_sum(torch.cat(vectors))
     for acc, part in zip(accumulators, total.split([v.numel() for v in vectors])):
         acc.load_moments(part)
+
+
+# ----- retrieval rows -------------------------------------------------------------------------------------
+
+
+def _retrieval_text(data: Any, tokenizer: Any, rows: int, seq: int) -> str | None:
+    """The text retrieval rows are cut from (the calibration texts joined by blank lines), checked before any
+    forward; None without rows."""
+    if not rows:
+        return None
+    if not (isinstance(data, str) or _is_texts(data)) or tokenizer is None:
+        raise ValueError("retrieval_rows needs the calibration data as text (a string or a list of strings) and its "
+                         f"tokenizer, got {type(data).__name__}{'' if tokenizer is not None else ' without a tokenizer'}"
+                         ": pass texts and tokenizer=..., or retrieval_rows=0.")
+    return source_text(data, seq)
+
+
+def _retrieval_fisher(model: nn.Module, adapter: Any, modules: list[nn.Module], text: str, tokenizer: Any, *,
+                      rows: int, seq: int, mode: str, sink_tokens: int, window: int, layers: bool, here: World,
+                      device: torch.device, progress: bool) -> FisherCapture:
+    """The Fisher of the answers' loss over `rows` seeded retrieval rows of `text` (`patchkv.retrieval`), summed over
+    the context tokens that are coded (after the sinks, before the window that reads the answer); row r on rank
+    r % world_size, summed over ranks."""
+    fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=window, layers=layers)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), fisher:
+            for row in tqdm(range(rows), desc="patchkv retrieval rows", unit="row", disable=not progress):
+                if not here.owns(row):
+                    continue
+                ids, answer = retrieval_row(tokenizer, text, seq, seed=row)
+                positions = torch.arange(ids.shape[1]).unsqueeze(0)
+                counted = (positions >= sink_tokens) & (positions < answer - window)
+                fisher.step(ids, torch.ones_like(ids), positions, counted, device, scored=positions >= answer)
+    finally:
+        model.train(was_training)
+    if here.distributed:
+        fisher.keys, fisher.values = _sum_fisher_over_ranks(fisher.keys, fisher.values)
+        if layers:
+            fisher.layer_keys, fisher.layer_values = _sum_fisher_over_ranks(fisher.layer_keys, fisher.layer_values)
+        fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
+    return fisher
+
+
+def _with_retrieval_weights(parts: dict[str, Components], fisher: FisherCapture) -> dict[str, Components]:
+    """`parts` (kind -> components with effect weights) with each kind's weights, per head and per layer basis,
+    mixed at equal say with those of the retrieval rows' Fisher (`patchkv.retrieval.mix_effect`)."""
+    def mine(c: Components) -> list[torch.Tensor]:
+        return [c.weights] + ([c.layer_weights] if c.layer_weights is not None else [])
+
+    def measured(kind: str, c: Components) -> list[torch.Tensor]:
+        head = effect_weights(getattr(fisher, kind) / max(fisher.count, 1), c.eigenvectors)
+        if c.layer_weights is None:
+            return [head]
+        return [head, effect_weights(getattr(fisher, f"layer_{kind}") / max(fisher.count, 1), c.layer_eigenvectors)]
+
+    mixed = mix_effect({k: mine(c) for k, c in parts.items()}, {k: measured(k, c) for k, c in parts.items()},
+                       {k: c.eigenvalues for k, c in parts.items()})
+    return {k: dataclasses.replace(c, weights=mixed[k][0], layer_weights=mixed[k][1] if len(mixed[k]) > 1 else None)
+            for k, c in parts.items()}
 
 
 # ----- token accounting -----------------------------------------------------------------------------------

@@ -244,6 +244,21 @@ def test_calibrate_writes_where_out_says(tmp_path, capsys, fake_calibration, tin
     assert len(fake_calibration) == 2 and not fake_calibration[0]["layer_bases"]
     code, _, err = run_main([*calibrate_argv(str(tmp_path / "l.safetensors")), "--layer-bases"], capsys)
     assert code == 0 and fake_calibration[-1]["layer_bases"], err
+    assert fake_calibration[-1]["retrieval_rows"] == 0  # off unless asked for
+    code, _, err = run_main([*calibrate_argv(str(tmp_path / "r.safetensors")), "--retrieval-rows", "3",
+                             "--retrieval-seq", "512"], capsys)
+    assert code == 0 and fake_calibration[-1]["retrieval_rows"] == 3 and fake_calibration[-1]["retrieval_seq"] == 512
+
+
+def test_retrieval_rows_are_refused_before_calibrating_when_they_cannot_be_measured(tmp_path, capsys,
+                                                                                    fake_calibration):
+    out = str(tmp_path / "r.safetensors")
+    code, _, err = run_main([*calibrate_argv(out), "--retrieval-rows", "2", "--fisher-tokens", "0"], capsys)
+    assert_one_line_error(code, err, 2, "--fisher-tokens 0 measures none")
+    code, _, err = run_main([*calibrate_argv(out), "--retrieval-rows", "2", "--retrieval-seq", "1000000"], capsys)
+    assert_one_line_error(code, err, 1, "reads 8,000,000 characters of the calibration text",
+                          "pass more text or a smaller retrieval_seq")
+    assert fake_calibration == []
 
 
 def test_calibrate_refuses_to_overwrite_an_artifact_without_force(tmp_path, capsys, fake_calibration, tiny_artifact):

@@ -1,30 +1,15 @@
-"""evals/research_retrieval_weights.py (`python -m evals retrieval-weights`): its retrieval rows hide a needle of their
-own wordings and end with the answer, and reweighting mixes the two Fisher measures at equal total effect without
-touching the rest of the artifact."""
+"""evals/research_retrieval_weights.py (`python -m evals retrieval-weights`): reweighting mixes the retrieval Fisher
+into a shipped artifact as `patchkv.retrieval.mix_effect` does, without touching the rest of the artifact (the rows
+themselves: tests/test_retrieval.py)."""
 
 import pytest
 import torch
 from conftest import calibration_ids, make_model
-from transformers import AutoTokenizer
 
 import patchkv
-from evals.research_retrieval_weights import NEEDLES, code_bits, retrieval_row, reweighted, weights
-from evals.suite import ROOT, SMOLLM2
-from evals.tasks import NEEDLES as TEST_NEEDLES
-
-
-def test_a_retrieval_row_hides_a_needle_and_ends_with_its_answer():
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
-    text = (ROOT / "evals" / "data" / "prose_calibration.txt").read_text(encoding="utf-8")
-    ids, answer = retrieval_row(tokenizer, text, 512, 7)
-    again, _ = retrieval_row(tokenizer, text, 512, 7)
-    assert torch.equal(ids, again) and ids.shape[1] <= 512
-    number = tokenizer.decode(ids[0, answer:]).strip().rstrip(".")
-    assert len(number) == 7 and number.isdigit()
-    context = tokenizer.decode(ids[0, :answer])
-    needle, question = NEEDLES[7 % len(NEEDLES)]
-    assert needle.format(n=number) in context and context.rstrip().endswith(question)
-    assert not {n for n, _ in NEEDLES} & {n for n, _ in TEST_NEEDLES}  # none of needle_text's wordings
+from evals.research_retrieval_weights import code_bits, reweighted, share
+from patchkv.fisher import effect_weights
+from patchkv.retrieval import mix_effect
 
 
 def _fisher(artifact, seed):
@@ -38,25 +23,25 @@ def _fisher(artifact, seed):
     return out
 
 
-def test_reweighting_mixes_the_two_measures_at_equal_total_effect():
+def test_reweighting_mixes_the_retrieval_fisher_in_and_touches_nothing_else():
     model = make_model("llama")
     artifact = patchkv.calibrate(model, calibration_ids(), rank=8, fisher_tokens=64, layer_bases=True, progress=False)
     fisher = _fisher(artifact, 0)
-    total = lambda a: sum(float((getattr(a, k).weights.double() * getattr(a, k).eigenvalues.double()).sum())  # noqa
-                          for k in ("keys", "values"))
-    own = reweighted(artifact, fisher, 1.0, 0.0)
-    assert torch.allclose(own.keys.weights.double() * total(artifact), artifact.keys.weights.double(), rtol=1e-5)
-    measured = reweighted(artifact, fisher, 0.0, 1.0)
-    assert abs(total(own) - 1) < 1e-5 and abs(total(measured) - 1) < 1e-5
-    both = reweighted(artifact, fisher, 1.0, 1.0)
-    assert abs(total(both) - 2) < 1e-5
-    for kind in ("keys", "values"):
-        c, b = getattr(artifact, kind), getattr(both, kind)
-        assert torch.allclose(b.weights.double(), getattr(own, kind).weights.double() +
-                              getattr(measured, kind).weights.double(), rtol=1e-5)
+    kinds = ("keys", "values")
+    measured = {k: [effect_weights(fisher[k] / fisher["count"], getattr(artifact, k).eigenvectors),
+                    effect_weights(fisher[f"layer_{k}"] / fisher["count"], getattr(artifact, k).layer_eigenvectors)]
+                for k in kinds}
+    expected = mix_effect({k: [getattr(artifact, k).weights, getattr(artifact, k).layer_weights] for k in kinds},
+                          measured, {k: getattr(artifact, k).eigenvalues for k in kinds}, 0.75)
+    three = reweighted(artifact, fisher, 0.75)
+    for kind in kinds:
+        c, b = getattr(artifact, kind), getattr(three, kind)
+        assert torch.allclose(b.weights.double(), expected[kind][0], rtol=1e-5)
+        assert torch.allclose(b.layer_weights.double(), expected[kind][1], rtol=1e-5)
         assert b.eigenvectors is c.eigenvectors and b.layer_eigenvectors is c.layer_eigenvectors
         assert not torch.equal(b.layer_weights, c.layer_weights)
-    assert artifact.keys.weights is not both.keys.weights and total(artifact) != 2  # the original is untouched
+    own = reweighted(artifact, fisher, 0.0)
+    assert torch.allclose(own.keys.weights, artifact.keys.weights) and artifact.keys.weights is not three.keys.weights
 
 
 def test_code_bits_count_what_each_layers_codes_hold():
@@ -73,8 +58,8 @@ def test_code_bits_count_what_each_layers_codes_hold():
     assert sum(b["keys"] + b["values"] for b in bits) > 0
 
 
-def test_variant_names_give_the_two_shares():
-    assert weights("shipped") is None and weights("retrieval") == (0.0, 1.0)
-    assert weights("mixed") == (1.0, 1.0) and weights("mixed3") == (1.0, 3.0) and weights("mixed0.5") == (1.0, 0.5)
+def test_variant_names_give_the_retrieval_share():
+    assert share("shipped") is None and share("retrieval") == 1.0
+    assert share("mixed") == 0.5 and share("mixed3") == 0.75 and share("mixed0.5") == pytest.approx(1 / 3)
     with pytest.raises(SystemExit, match="mixedK"):
-        weights("mixedmore")
+        share("mixedmore")
