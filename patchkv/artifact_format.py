@@ -77,7 +77,9 @@ The safetensors header metadata carries one entry, `"patchkv"`, a JSON object wi
                      architecture class and dtype excepted; a model without the field attends
                      fully in every layer)
     calibration     free-form JSON object: source, tokens, sequences, seq_len, sink_tokens,
-                    rank selection, the calibration dtype, the step-scale fits; information only,
+                    rank selection, the calibration dtype, how the effect weights were measured
+                    (`effect_weights`: tokens, window, and `retrieval` {rows, seq, tokens, share}
+                    where retrieval rows were mixed in), the step-scale fits; information only,
                     never read to decide how the cache works (a version 3 file's step-scale budget
                     is the one exception: `load` reads it once, into `step_budgets`)
     step_budgets    version 4, and version 5 with step scales: [{"bits": int >= 1, "pool": "head" |

@@ -179,10 +179,7 @@ def calibrate(
         _check_same_stream(fingerprint, seen, here)
         _sum_over_ranks([acc for part in (stats, layer_stats) for accs in part.values() for acc in accs])
         if fisher_tokens:
-            fisher.keys, fisher.values = _sum_fisher_over_ranks(fisher.keys, fisher.values)
-            if layer_bases:
-                fisher.layer_keys, fisher.layer_values = _sum_fisher_over_ranks(fisher.layer_keys, fisher.layer_values)
-            fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
+            _sum_fisher_over_ranks(fisher)
     if seen < 2:
         raise ValueError("Calibration saw fewer than 2 tokens; pass more text (or a smaller sink_tokens).")
     retrieval = _retrieval_fisher(model, adapter, modules, text, tokenizer, rows=retrieval_rows, seq=retrieval_seq,
@@ -298,10 +295,16 @@ def _check_same_stream(fingerprint: Any, seen: int, here: World) -> None:
         )
 
 
-def _sum_fisher_over_ranks(*fishers: torch.Tensor) -> list[torch.Tensor]:
-    """Sum Fisher matrices `[layers, kv_heads, d, d]` over all ranks, in one all-reduce."""
-    total = all_reduce_sum(torch.cat([f.flatten() for f in fishers]))
-    return [part.view_as(f) for f, part in zip(fishers, total.split([f.numel() for f in fishers]))]
+def _sum_fisher_over_ranks(fisher: FisherCapture) -> None:
+    """Sum a capture's Fisher matrices (`[layers, kv_heads, d, d]`, and `[layers, D, D]` where it has layer ones) and
+    its token count over all ranks, in one all-reduce."""
+    names = [n for n in ("keys", "values", "layer_keys", "layer_values") if getattr(fisher, n) is not None]
+    parts = [getattr(fisher, n) for n in names] + [torch.tensor([float(fisher.count)], dtype=torch.float64)]
+    total = all_reduce_sum(torch.cat([p.flatten() for p in parts]))
+    *sums, count = total.split([p.numel() for p in parts])
+    for name, part, summed in zip(names, parts, sums):
+        setattr(fisher, name, summed.view_as(part))
+    fisher.count = int(count.item())
 
 
 def _sum_over_ranks(accumulators: list[CovarianceAccumulator]) -> None:
@@ -348,10 +351,7 @@ def _retrieval_fisher(model: nn.Module, adapter: Any, modules: list[nn.Module], 
     finally:
         model.train(was_training)
     if here.distributed:
-        fisher.keys, fisher.values = _sum_fisher_over_ranks(fisher.keys, fisher.values)
-        if layers:
-            fisher.layer_keys, fisher.layer_values = _sum_fisher_over_ranks(fisher.layer_keys, fisher.layer_values)
-        fisher.count = int(all_reduce_sum(torch.tensor([float(fisher.count)], dtype=torch.float64)).item())
+        _sum_fisher_over_ranks(fisher)
     return fisher
 
 
