@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import itertools
+from pathlib import Path
 
 import torch
 
@@ -153,9 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     variants = {name: artifacts if (part := share(name)) is None else
                 dict(artifacts, pre_rope=reweighted(artifacts["pre_rope"], fisher, part))
                 for name in filter(None, args.variants.split(","))}
+    files = {}
     for given in args.artifact:
         name, _, file = given.partition("=")
         variants[name] = dict(artifacts, pre_rope=patchkv.Artifact.load(file).to_dtype(models_dtype()))
+        files[name] = {"file": file, "sha256": hashlib.sha256(Path(file).read_bytes()).hexdigest(),
+                       "calibration": variants[name]["pre_rope"].calibration.get("effect_weights")}
     configs = [CONFIGS[name] for name in args.config.split(",")]
     if fisher is not None:
         bits = {name: code_bits(model, configs[-1].patch(variant, 4096)) for name, variant in variants.items()}
@@ -177,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
                          "kv_bytes_per_token": round(scored.kv_bytes_per_token, 1),
                          "prediction": scored.prediction[:40]})
             print(rows[-1], flush=True)
-    write_csv(rows, args.out / f"{args.name}.csv", FIELDS, extra={"rows": args.rows, "seq": args.seq,
-                                                                   "artifacts": args.artifact})
+    measured = {"rows": args.rows, "seq": args.seq} if fisher is not None else {}
+    write_csv(rows, args.out / f"{args.name}.csv", FIELDS, extra={**measured, "artifacts": files})
     for config, name in itertools.product(configs, variants):
         mine = [r for r in rows if r["variant"] == name and r["config"] == config.name]
         found = [r["score"] for r in mine if r["task"] == "needle_text"]
