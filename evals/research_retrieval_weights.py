@@ -23,11 +23,11 @@ Variants of the pre-RoPE artifact, every other field as shipped (bases, step sca
 - `retrieval`: the retrieval Fisher's alone.
 - `--artifact NAME=FILE`: a pre-RoPE artifact of its own, e.g. one `patchkv calibrate` wrote with and without
   `--retrieval-rows` (the user's path: bases, weights and step scales all its own).
-Each runs each of `--config` (suite configurations) on `needle_text` samples `--samples` and on the first `--ppl`
-documents of each of `--ppl-tasks` (the suite's protocol, 64 tokens a forward). Output: `retrieval_weights.csv` (variant, task, index,
-score, count, bytes per token, answer) and `retrieval_weights_shares.csv` (each layer's share of the keys' and the
-values' effect under the prose and the retrieval Fisher, and the bits per token its codes get in each variant;
-`--shares-only` writes this one alone).
+Each runs each of `--config` (suite configurations) on `needle_text` samples `--first` to `--samples` - 1 and on
+the first `--ppl` documents of each of `--ppl-tasks` (the suite's protocol, 64 tokens a forward). Output:
+`retrieval_weights.csv` (variant, config, task, index, score, count, bytes per token, answer) and
+`retrieval_weights_shares.csv` (each layer's share of the keys' and the values' effect under the prose and the
+retrieval Fisher, and the bits per token its codes get in each variant; `--shares-only` writes this one alone).
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="one more variant: the pre-RoPE artifact FILE (e.g. written by patchkv calibrate)")
     p.add_argument("--rows", type=int, default=24, help="retrieval rows the Fisher is measured on")
     p.add_argument("--seq", type=int, default=2048, help="tokens per retrieval row")
-    p.add_argument("--samples", type=int, default=30, help="needle_text samples 0..n-1 at 4k")
+    p.add_argument("--samples", type=int, default=30, help="needle_text samples first..n-1 at 4k")
+    p.add_argument("--first", type=int, default=0, help="the first needle_text sample run")
     p.add_argument("--ppl", type=int, default=2, help="documents of each perplexity task at 4k")
     p.add_argument("--ppl-tasks", default="ppl_prose", help="the perplexity tasks, comma-separated")
     p.add_argument("--shares-only", action="store_true", help="write the shares (and bits) CSV only")
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.shares_only:
         return
     needle = TASKS["needle_text"]
-    work = [(needle, s) for s in needle.samples(4096, args.samples, SMOLLM2)] + \
+    work = [(needle, s) for s in needle.samples(4096, args.samples, SMOLLM2)[args.first:]] + \
         [(TASKS[task], index) for task in filter(None, args.ppl_tasks.split(",")) for index in range(args.ppl)]
     rows = []
     for task, sample in work:

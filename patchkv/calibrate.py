@@ -324,9 +324,10 @@ def _retrieval_text(data: Any, tokenizer: Any, rows: int, seq: int) -> str | Non
     if not rows:
         return None
     if not (isinstance(data, str) or _is_texts(data)) or tokenizer is None:
+        missing = "" if tokenizer is not None else " without a tokenizer"
         raise ValueError("retrieval_rows needs the calibration data as text (a string or a list of strings) and its "
-                         f"tokenizer, got {type(data).__name__}{'' if tokenizer is not None else ' without a tokenizer'}"
-                         ": pass texts and tokenizer=..., or retrieval_rows=0.")
+                         f"tokenizer, got {type(data).__name__}{missing}: pass texts and tokenizer=..., or "
+                         "retrieval_rows=0.")
     return source_text(data, seq)
 
 

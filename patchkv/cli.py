@@ -158,7 +158,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if args.retrieval_rows:  # before the model loads
         if not args.fisher_tokens:
             raise UsageError("--retrieval-rows mixes the retrieval rows' effect weights with the text's, and "
-                             "--fisher-tokens 0 measures none: pass --fisher-tokens (e.g. 4096) or drop --retrieval-rows.")
+                             "--fisher-tokens 0 measures none: pass --fisher-tokens (e.g. 4096) or drop "
+                             "--retrieval-rows.")
         source_text(texts, args.retrieval_seq)
     created = init_from_env()
     try:

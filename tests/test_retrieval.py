@@ -116,9 +116,9 @@ def test_calibrate_mixes_the_retrieval_rows_effect_and_nothing_else(tokenizer, t
 
 def test_a_mixed_artifact_saves_loads_and_serves(tokenizer, text, tmp_path):
     model = make_model("llama", vocab_size=len(tokenizer))
-    artifact = patchkv.calibrate(model, text, tokenizer=tokenizer, rank=4, seq_len=64, max_tokens=256, sink_tokens=SINKS,
-                                 fisher_tokens=64, fisher_window=WINDOW, retrieval_rows=1, retrieval_seq=SEQ,
-                                 progress=False)
+    artifact = patchkv.calibrate(model, text, tokenizer=tokenizer, rank=4, seq_len=64, max_tokens=256,
+                                 sink_tokens=SINKS, fisher_tokens=64, fisher_window=WINDOW, retrieval_rows=1,
+                                 retrieval_seq=SEQ, progress=False)
     loaded = patchkv.Artifact.load(artifact.save(tmp_path / "mixed.safetensors"))
     assert loaded.calibration["effect_weights"]["retrieval"]["rows"] == 1
     assert torch.allclose(loaded.keys.weights, artifact.keys.weights.float())
