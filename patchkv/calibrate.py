@@ -100,6 +100,7 @@ def calibrate(
                    retrieval_rows=retrieval_rows, retrieval_seq=retrieval_seq)
     text = _retrieval_text(texts_or_dataloader, tokenizer, retrieval_rows, retrieval_seq)
     _check_not_patched(model)
+    _check_retrieval_seq(model, retrieval_rows, retrieval_seq)
     adapter = adapter_for(model)
     modules = attention_modules(model, adapter)
     dim, heads = modules[0].head_dim, modules[0].config.num_key_value_heads
@@ -329,6 +330,14 @@ def _retrieval_text(data: Any, tokenizer: Any, rows: int, seq: int) -> str | Non
                          f"tokenizer, got {type(data).__name__}{missing}: pass texts and tokenizer=..., or "
                          "retrieval_rows=0.")
     return source_text(data, seq)
+
+
+def _check_retrieval_seq(model: nn.Module, rows: int, seq: int) -> None:
+    """Refuse retrieval rows longer than the positions the model was trained on (`max_position_embeddings`)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if rows and limit and seq > limit:
+        raise ValueError(f"retrieval_seq={seq} is longer than the {limit} positions this model was trained on "
+                         f"(max_position_embeddings); pass retrieval_seq <= {limit}.")
 
 
 def _retrieval_fisher(model: nn.Module, adapter: Any, modules: list[nn.Module], text: str, tokenizer: Any, *,

@@ -139,5 +139,8 @@ def test_calibrate_refuses_retrieval_rows_it_cannot_measure(tokenizer, text):
     with pytest.raises(ValueError, match="which has 1,500"):
         patchkv.calibrate(model, text[:1500], tokenizer=tokenizer, retrieval_rows=2, retrieval_seq=SEQ,
                           fisher_tokens=64, rank=4, progress=False)
+    with pytest.raises(ValueError, match="longer than the 512 positions this model was trained on"):
+        patchkv.calibrate(model, text, tokenizer=tokenizer, retrieval_rows=1, retrieval_seq=1024, fisher_tokens=64,
+                          rank=4, progress=False)
     with pytest.raises(ValueError, match="retrieval_rows must be an integer >= 0"):
         patchkv.calibrate(model, text, tokenizer=tokenizer, retrieval_rows=-1, rank=4, progress=False)
