@@ -33,7 +33,6 @@ retrieval Fisher, and the bits per token its codes get in each variant; `--share
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import itertools
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 import patchkv
 from patchkv.adapters import adapter_for, attention_modules
 from patchkv.fisher import FisherCapture, effect_weights
-from patchkv.retrieval import mix_effect, retrieval_row
+from patchkv.retrieval import measure, with_retrieval_weights
 
 from .suite import CONFIGS, ROOT, SMOLLM2, load_artifacts, load_smollm2, models_dtype, write_csv
 from .tasks import TASKS
@@ -65,16 +64,9 @@ def retrieval_fisher(model, tokenizer, rows: int, seq: int) -> dict:
     modules = attention_modules(model, adapter)
     with torch.no_grad(), FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=SINKS, window=WINDOW,
                                         layers=True) as fisher:
-        for row in range(rows):
-            ids, answer = retrieval_row(tokenizer, text, seq, seed=row)
-            n = ids.shape[1]
-            positions = torch.arange(n).unsqueeze(0)
-            counted = (positions >= SINKS) & (positions < answer - WINDOW)  # the context tokens that are coded
-            loss = fisher.step(ids, torch.ones_like(ids), positions, counted, torch.device("cpu"),
-                               scored=positions >= answer)
-            print(f"retrieval row {row}: {n} tokens, answer {loss / (n - answer):.3f} nats a token", flush=True)
-    out = {"keys": fisher.keys, "values": fisher.values, "layer_keys": fisher.layer_keys,
-           "layer_values": fisher.layer_values, "count": fisher.count}
+        losses = measure(fisher, tokenizer, text, range(rows), seq, torch.device("cpu"))
+    print("retrieval rows' answer loss, nats a token:", [round(x, 3) for x in losses], flush=True)
+    out = fisher.sums()
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
     return out
@@ -82,20 +74,11 @@ def retrieval_fisher(model, tokenizer, rows: int, seq: int) -> dict:
 
 def reweighted(artifact: patchkv.Artifact, fisher: dict, share: float) -> patchkv.Artifact:
     """`artifact` with each kind's effect weights (per head and per layer) mixed with the retrieval Fisher's, the
-    retrieval rows at `share` of the say (`patchkv.retrieval.mix_effect`)."""
-    def measured(kind: str) -> list[torch.Tensor]:
-        c = getattr(artifact, kind)
-        return [effect_weights(fisher[kind] / fisher["count"], c.eigenvectors),
-                effect_weights(fisher[f"layer_{kind}"] / fisher["count"], c.layer_eigenvectors)]
-
-    kinds = ("keys", "values")
-    mixed = mix_effect({k: [getattr(artifact, k).weights, getattr(artifact, k).layer_weights] for k in kinds},
-                       {k: measured(k) for k in kinds}, {k: getattr(artifact, k).eigenvalues for k in kinds}, share)
+    retrieval rows at `share` of the say (`patchkv.retrieval.with_retrieval_weights`)."""
     out = copy.copy(artifact)
-    for kind in kinds:
-        c = getattr(artifact, kind)
-        setattr(out, kind, dataclasses.replace(c, weights=mixed[kind][0].to(c.weights.dtype),
-                                               layer_weights=mixed[kind][1].to(c.layer_weights.dtype)))
+    for kind, c in with_retrieval_weights({k: getattr(artifact, k) for k in ("keys", "values")}, fisher,
+                                          share).items():
+        setattr(out, kind, c)
     return out
 
 

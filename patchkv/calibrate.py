@@ -10,7 +10,6 @@ at the same batch, count the same tokens and return the same `Artifact` as a sin
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import itertools
 import numbers
@@ -31,7 +30,7 @@ from .errors import PatchKVError
 from .fisher import FisherCapture, effect_weights
 from .identity import model_identity
 from .pca import CovarianceAccumulator, select_ranks
-from .retrieval import mix_effect, retrieval_row, source_text
+from .retrieval import measure, source_text, with_retrieval_weights
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids [batch, seq], attention_mask [batch, seq]
 
@@ -216,7 +215,7 @@ def calibrate(
             **layer,
         )
     if retrieval is not None:
-        parts = _with_retrieval_weights(parts, retrieval)
+        parts = with_retrieval_weights(parts, retrieval.sums())
     selection = {"rank": None if rank is None else int(rank), "energy": None if energy is None else float(energy)}
     calibration = {"source": source or _describe(texts_or_dataloader), "tokens": seen, "sequences": sequences,
                    "seq_len": int(seq_len), "sink_tokens": int(sink_tokens), "rank_selection": selection}
@@ -343,44 +342,21 @@ def _check_retrieval_seq(model: nn.Module, rows: int, seq: int) -> None:
 def _retrieval_fisher(model: nn.Module, adapter: Any, modules: list[nn.Module], text: str, tokenizer: Any, *,
                       rows: int, seq: int, mode: str, sink_tokens: int, window: int, layers: bool, here: World,
                       device: torch.device, progress: bool) -> FisherCapture:
-    """The Fisher of the answers' loss over `rows` seeded retrieval rows of `text` (`patchkv.retrieval`), summed over
-    the context tokens that are coded (after the sinks, before the window that reads the answer); row r on rank
-    r % world_size, summed over ranks."""
+    """The Fisher of the answers' loss over `rows` seeded retrieval rows of `text` (`patchkv.retrieval.measure`); row
+    r on rank r % world_size, summed over ranks."""
     fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=window, layers=layers)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), fisher:
-            for row in tqdm(range(rows), desc="patchkv retrieval rows", unit="row", disable=not progress):
-                if not here.owns(row):
-                    continue
-                ids, answer = retrieval_row(tokenizer, text, seq, seed=row)
-                positions = torch.arange(ids.shape[1]).unsqueeze(0)
-                counted = (positions >= sink_tokens) & (positions < answer - window)
-                fisher.step(ids, torch.ones_like(ids), positions, counted, device, scored=positions >= answer)
+            mine = [row for row in range(rows) if here.owns(row)]
+            measure(fisher, tokenizer, text, tqdm(mine, desc="patchkv retrieval rows", unit="row",
+                                                  disable=not progress), seq, device)
     finally:
         model.train(was_training)
     if here.distributed:
         _sum_fisher_over_ranks(fisher)
     return fisher
-
-
-def _with_retrieval_weights(parts: dict[str, Components], fisher: FisherCapture) -> dict[str, Components]:
-    """`parts` (kind -> components with effect weights) with each kind's weights, per head and per layer basis,
-    mixed at equal say with those of the retrieval rows' Fisher (`patchkv.retrieval.mix_effect`)."""
-    def mine(c: Components) -> list[torch.Tensor]:
-        return [c.weights] + ([c.layer_weights] if c.layer_weights is not None else [])
-
-    def measured(kind: str, c: Components) -> list[torch.Tensor]:
-        head = effect_weights(getattr(fisher, kind) / max(fisher.count, 1), c.eigenvectors)
-        if c.layer_weights is None:
-            return [head]
-        return [head, effect_weights(getattr(fisher, f"layer_{kind}") / max(fisher.count, 1), c.layer_eigenvectors)]
-
-    mixed = mix_effect({k: mine(c) for k, c in parts.items()}, {k: measured(k, c) for k, c in parts.items()},
-                       {k: c.eigenvalues for k, c in parts.items()})
-    return {k: dataclasses.replace(c, weights=mixed[k][0], layer_weights=mixed[k][1] if len(mixed[k]) > 1 else None)
-            for k, c in parts.items()}
 
 
 # ----- token accounting -----------------------------------------------------------------------------------

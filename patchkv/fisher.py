@@ -133,6 +133,12 @@ class FisherCapture:
                 attn.forward = previous
         self._restore.clear()
 
+    def sums(self) -> dict[str, Any]:
+        """What was measured so far: the Fisher sums "keys", "values" (float64 `[layers, kv_heads, d, d]`),
+        "layer_keys", "layer_values" (`[layers, D, D]`, None without `layers`) and the "count" of tokens summed."""
+        return {"keys": self.keys, "values": self.values, "layer_keys": self.layer_keys,
+                "layer_values": self.layer_values, "count": self.count}
+
     def mask(self, attn: nn.Module) -> torch.Tensor:
         """The current row's additive float32 mask `[1, 1, seq, 2 seq]` over `[exact | perturbed]`: each query reads
         each visible key from the copy its pair is served from (a sliding layer sees its last `window` keys only)."""

@@ -9,8 +9,10 @@ retrieval reads"). These rows tell it:
 - `retrieval_row`: a piece of the calibration text with a 7-digit number on a line of its own at a depth drawn in
   [10%, 90%], in one of `WORDINGS`, the question after the text, then the answer. `FisherCapture.step(...,
   scored=...)` measures the Fisher of the answer's loss alone on it.
+- `measure`: those rows stepped through an active `FisherCapture`.
 - `mix_effect`: the prose and the retrieval effect weights, each scaled to the same total effect (sum over
-  components of variance x weight, keys and values together), added: equal say, in the prose weights' nats.
+  components of variance x weight, keys and values together), added: equal say, in the prose weights' nats;
+  `with_retrieval_weights` applies it to an artifact's components.
 
 `calibrate(..., retrieval_rows=n)` and `patchkv calibrate --retrieval-rows n` use both. The wordings are this
 module's own; the evaluation's `needle_text` (evals/tasks.py) asks in other wordings, on text no calibration reads.
@@ -18,10 +20,15 @@ module's own; the evaluation's `needle_text` (evals/tasks.py) asks in other word
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+from .artifact import Components
+from .fisher import FisherCapture, effect_weights
 
 #: (the sentence hidden in the text, the question that asks for it, ending where the answer starts)
 WORDINGS = (
@@ -105,3 +112,41 @@ def mix_effect(prose: dict[str, list[torch.Tensor]], retrieval: dict[str, list[t
     scale = own / theirs
     return {kind: [(1 - share) * p.double() + share * scale * r.double() for p, r in zip(prose[kind], retrieval[kind])]
             for kind in prose}
+
+
+def measure(fisher: FisherCapture, tokenizer: Any, text: str, seeds: Iterable[int], seq: int,
+            device: torch.device) -> list[float]:
+    """Step the active capture `fisher` over the retrieval rows of `text` with these `seeds` (`retrieval_row`): the
+    answer's loss alone, the gradients of the context tokens that are coded (after the capture's sinks, before the
+    window that reads the answer) -> each row's answer loss in nats per token."""
+    losses = []
+    for seed in seeds:
+        ids, answer = retrieval_row(tokenizer, text, seq, seed)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        counted = (positions >= fisher.sink_tokens) & (positions < answer - fisher.window)
+        loss = fisher.step(ids, torch.ones_like(ids), positions, counted, device, scored=positions >= answer)
+        losses.append(loss / (ids.shape[1] - answer))
+    return losses
+
+
+def with_retrieval_weights(parts: Mapping[str, Components], fisher: Mapping[str, Any],
+                           share: float = 0.5) -> dict[str, Components]:
+    """`parts` (kind -> components with effect weights) with each kind's weights, per head and per layer basis where
+    it has one, mixed by `mix_effect` at `share` with those of the retrieval rows' Fisher sums `fisher`
+    (`FisherCapture.sums()`); each keeps its dtype, every other field is the same object."""
+    def own(c: Components) -> list[torch.Tensor]:
+        return [c.weights] + ([c.layer_weights] if c.layer_weights is not None else [])
+
+    def measured(kind: str, c: Components) -> list[torch.Tensor]:
+        count = max(fisher["count"], 1)
+        head = effect_weights(fisher[kind] / count, c.eigenvectors)
+        if c.layer_weights is None:
+            return [head]
+        return [head, effect_weights(fisher[f"layer_{kind}"] / count, c.layer_eigenvectors)]
+
+    mixed = mix_effect({k: own(c) for k, c in parts.items()}, {k: measured(k, c) for k, c in parts.items()},
+                       {k: c.eigenvalues for k, c in parts.items()}, share)
+    return {k: dataclasses.replace(c, weights=mixed[k][0].to(c.weights.dtype),
+                                   layer_weights=None if c.layer_weights is None else
+                                   mixed[k][1].to(c.layer_weights.dtype))
+            for k, c in parts.items()}
