@@ -30,6 +30,7 @@ VERBS = {
     "salience-variants": "research_salience", "shared-basis": "research_shared_basis",
     "step-loss": "research_step_loss", "figures": "research_figures", "needle-precision": "research_precision",
     "decode-ab": "research_decode_ab", "retrieval-weights": "research_retrieval_weights",
+    "eviction": "research_eviction",
     # the shipped data, bases and reference models
     "build-mix": "build_calibration_mix", "build-prose": "build_prose", "build-tasks": "build_tasks",
     "calibrate": "calibrate_smollm2", "train-reference": "train_reference_model",
