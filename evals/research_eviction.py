@@ -4,10 +4,11 @@ same bytes, keep a needle in real prose better than coding every token at the bu
     PATCHKV_EVALS_DTYPE=float32 .venv/bin/python -m evals eviction --variants 16x,8x:novelty:0.6,8x:random:0.6 \\
         --tasks needle_text --samples 30 --threads 2
 
-A variant is `CONFIG` (a suite configuration, as it is) or `CONFIG:SCORER:FRACTION`: after the context's one-forward
-prefill (RULER's protocol, `evals/tasks.py`), each full-attention layer drops the `FRACTION` of its coded tokens that
-`SCORER` ranks lowest, the same tokens for every KV head of the layer (the salience methods' layer scope), and
-later forwards (the question, the answer's decode steps, a continuation) never read them. Scorers, from the tokens'
+A variant is `CONFIG` (a suite configuration, or a budget such as "12x" on the shipped pre-RoPE bases, which hold
+step scales for 4x, 8x and 16x only) or `CONFIG:SCORER:FRACTION`: after the context's one-forward prefill (RULER's
+protocol, `evals/tasks.py`), each full-attention layer drops the `FRACTION` of its coded tokens that `SCORER` ranks
+lowest, the same tokens for every KV head of the layer (the salience methods' layer scope), and later forwards (the
+question, the answer's decode steps, a continuation) never read them. Scorers, from the tokens'
 exact keys and values in cache space as the prefill made them:
 
 - `novelty`: `patchkv.Novelty`'s score (distance to the nearest of 256 other tokens; a needle's digits have none);
@@ -33,9 +34,10 @@ import torch
 
 import patchkv
 from patchkv import attention
+from patchkv.budgets import parse_budget
 from patchkv.cache import LatentCache, LatentLayer
 
-from .suite import SMOLLM2, config, load_artifacts, load_smollm2, write_csv
+from .suite import CONFIGS, SMOLLM2, config, load_artifacts, load_smollm2, write_csv
 from .tasks import TASKS, Continuation
 from .verbs import parse, parser
 
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         samples = task.samples(4096, args.first + args.samples, SMOLLM2)[args.first:]
         for variant in args.variants.split(","):
             name, scorer, fraction = parse_variant(variant)
-            patch = config(name).patch(artifacts, 4096)
+            patch = config(name).patch(artifacts, 4096) if name in CONFIGS else \
+                (artifacts["pre_rope"], parse_budget(name).methods(artifacts["pre_rope"], 4096))
             if patch is None and scorer is not None:
                 raise SystemExit(f"eviction: {name} keeps no codes to drop from; name a patchkv configuration.")
             for sample in samples:
