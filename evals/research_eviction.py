@@ -137,12 +137,10 @@ def with_dropped(mask: torch.Tensor | None, dropped: torch.Tensor, past: int, hi
     columns, rows = torch.arange(total), torch.arange(seq) + past
     bias = torch.zeros(seq, total).masked_fill(columns[None] > rows[:, None], -math.inf)
     bias[:, :dropped.numel()].masked_fill_(dropped[None], -math.inf)
-    bias = bias[None, None].to(hidden.dtype)
+    bias = bias[None, None]
     if mask is not None:
-        model = mask if mask.dtype != torch.bool else \
-            torch.zeros(mask.shape, dtype=hidden.dtype).masked_fill(~mask, -math.inf)
-        bias = model[..., -total:] + bias
-    return bias
+        bias = attention._additive(mask)[..., -total:] + bias  # the model's mask as patched attention reads it
+    return bias.to(hidden.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,16 +168,17 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"eviction: {name} keeps near codes or salient copies, whose dropped tokens this "
                                  "simulation does not count; name a configuration with codes and exact regions only.")
             for sample in samples:
-                state = Dropping(scorer or "random", fraction, sample["index"])
+                state = Dropping(scorer, fraction, sample["index"]) if scorer else None
                 with torch.no_grad():
                     if patch is None:  # the model's own cache
                         scored = task.run(model, tokenizer, sample, None, name)
                     else:
-                        with patchkv.patched(model, *patch), dropping(state) if scorer else nullcontext():
+                        with patchkv.patched(model, *patch), dropping(state) if state else nullcontext():
                             scored = task.run(model, tokenizer, sample, LatentCache(model), variant)
                 tokens = len(sample["context_ids"]) + (0 if isinstance(task, Continuation) else
                                                         len(sample["question_ids"]))
-                held = scored.kv_bytes_per_token - (state.freed - state.bitmap) / tokens
+                freed = 0.0 if state is None else state.freed - state.bitmap
+                held = scored.kv_bytes_per_token - freed / tokens
                 rows.append({"variant": variant, "task": task_name, "index": sample["index"], "score": scored.score,
                              "count": scored.count, "kv_bytes_per_token": round(held, 1),
                              "dropped": fraction, "prediction": scored.prediction})
