@@ -14,8 +14,8 @@ from .cache_file import load_cache, save_cache
 from .calibrate import calibrate
 from .errors import (AlreadyPatchedError, ArtifactError, IncompatibleArtifactError, PatchKVError,
                      UnsupportedModelError)
-from .methods import (METHODS, AttentionMass, CodeError, KeyNorm, LowRank, NearCodes, Novelty, Quantized, SinksWindow,
-                      TopK, parse_method)
+from .methods import (METHODS, AttentionMass, CodeError, Evict, KeyNorm, LowRank, NearCodes, Novelty, Quantized,
+                      SinksWindow, TopK, parse_method)
 from .patching import apply, is_patched, patched, remove
 from .step_scales import fit_step_scales
 
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMAT_VERSION", "METHODS", "SUPPORTED_MODEL_TYPES", "AlreadyPatchedError", "Artifact", "ArtifactError",
     "AttentionMass",
-    "CodeError", "IncompatibleArtifactError", "KeyNorm", "LatentCache", "LatentLayer", "LowRank", "NearCodes",
+    "CodeError", "Evict", "IncompatibleArtifactError", "KeyNorm", "LatentCache", "LatentLayer", "LowRank", "NearCodes",
     "Novelty", "PatchKVError", "Quantized",
     "SinksWindow", "TopK", "UnsupportedModelError", "apply", "calibrate", "fit_step_scales", "is_patched",
     "load_cache", "parse_method", "patched", "remove", "save_cache",

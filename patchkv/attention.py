@@ -12,7 +12,9 @@ adapter, and these changes:
    from the stored codes in one pass (`decode_attention`, `Mode.middle_attend`: scores, a running softmax, values
    summed in the latent space), merged with the exact tokens: `sum_j p_j v_j + U (sum_j p_j c_j) + (sum_j p_j)
    mean`;
-5. if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
+5. if the layer has dropped tokens (`patchkv.methods.Evict`), the mask is cut to the columns of those it holds
+   (`held_columns`);
+   if the plan has a selector (`TopK`) a decode step asks it which latent tokens each KV head reads (`select`)
    and attends exactly over sinks, those and the window;
    if it has a salience method (`patchkv.methods.Salience`), the coded tokens (middle and near) each KV head keeps
    exact are read in place of their codes: written over the dense ones, or merged with the exact tokens of a decode
@@ -105,6 +107,8 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: AttentionLayer, hi
     positions = positions.expand(batch, seq)
     q, k = mode.to_cache_space(lp, q, k, cos, sin)
     seen = layer.update_latent(k, v, positions)
+    if seen.columns is not None:  # tokens were dropped (`Evict`): the mask's columns of those held
+        attention_mask = held_columns(attention_mask, seen.columns, seq, layer.get_seq_length(), q.dtype)
     queries = mode.queries(lp, q, cos, sin)
     dtype, decode = q.dtype, decode_applies(attn, lp, q, kwargs)
     del q, k, v  # the layer holds its own copies: a long forward's encoding (`after_attention`) runs without these
@@ -125,9 +129,9 @@ def attention_forward(attn: nn.Module, lp: LayerPatch, layer: AttentionLayer, hi
                 attn, queries, keys, values, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                 scaling=scaling, **{**kwargs, **adapter.attention_kwargs(attn)})
         del keys, values
-    salience = lp.patch.plan.salience
-    observed = Observation(queries, positions, scaling, partial(mode.exact_keys, lp)) \
-        if salience is not None and salience.observes else None
+    plan = lp.patch.plan
+    observes = any(m is not None and m.observes for m in (plan.salience, plan.evict))
+    observed = Observation(queries, positions, scaling, partial(mode.exact_keys, lp)) if observes else None
     del queries
     layer.after_attention(observed)
     out = out.reshape(batch, seq, -1).to(model_dtype).contiguous()
@@ -138,7 +142,7 @@ def _layer(cache: Cache | None, lp: LayerPatch) -> LatentLayer:
     if cache is None:  # use_cache=False: a throwaway layer for this forward
         plan = lp.patch.plan
         return LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, salience=plan.salience,
-                           near_tokens=plan.near_tokens)
+                           near_tokens=plan.near_tokens, evict=plan.evict)
     return check_cache(cache, lp.patch.fingerprint).layer(lp.layer_idx)
 
 
@@ -147,6 +151,27 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros((), dtype=torch.float32, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     return mask.float()
+
+
+def held_columns(mask: torch.Tensor | None, columns: torch.Tensor, seq: int, seen: int, dtype: torch.dtype
+                 ) -> torch.Tensor | None:
+    """The attention mask of a forward of `seq` queries, the last of the `seen` tokens of the sequence, cut to the
+    tokens a layer holds, at `columns` `[batch, n]` (their indices in the sequence, `Visible.columns`): `[batch, 1 or
+    heads, seq, n]`. The model's mask, `[batch or 1, 1 or heads, seq, >= seen]`, gathered; with none, causal by the
+    columns, additive in `dtype` (the queries'; a query reads the held tokens up to its own; one decode query reads
+    every one: None)."""
+    batch = columns.shape[0]
+    if mask is None:
+        if seq == 1:
+            return None
+        queries = torch.arange(seen - seq, seen, device=columns.device)
+        later = columns[:, None, None, :] > queries[None, None, :, None]  # [batch, 1, seq, n]
+        return torch.zeros(later.shape, dtype=dtype, device=columns.device).masked_fill(later, torch.finfo(dtype).min)
+    if mask.shape[-1] < seen:
+        raise PatchKVError(f"the attention mask has {mask.shape[-1]} key columns, this layer has seen {seen} tokens; "
+                           "pass a mask over every token of the sequence (as generate() builds it).")
+    mask = mask.expand(batch, *mask.shape[1:])
+    return mask.gather(3, columns[:, None, None, :].expand(-1, mask.shape[1], mask.shape[2], -1))
 
 
 def decode_applies(attn: nn.Module, lp: LayerPatch, q: torch.Tensor, kwargs: dict[str, Any]) -> bool:

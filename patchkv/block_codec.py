@@ -169,10 +169,10 @@ def block_method(artifact: Artifact, text: str, *, block_tokens: int = BLOCK_TOK
                              "codec method (lowrank:..., quantized:...).")
         return method
     budget = parse_budget(text)
-    for extra in (budget.salience, budget.near):
+    for extra in (budget.salience, budget.near, budget.evict):
         if extra is not None:
-            raise ValueError(f"budget {text!r}: a stored block is coded at one rate, without salient or near tokens; "
-                             f"drop '+{extra.spec()}'.")
+            raise ValueError(f"budget {text!r}: a stored block is coded at one rate, every token kept, without salient "
+                             f"or near tokens; drop '+{extra.spec()}'.")
     pool = budget.pool or default_pool(artifact)
     bits = budget.bits
     if bits is None:

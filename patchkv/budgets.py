@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from numbers import Integral
 
 from .allocation import code_bytes, default_pool, full_kv_bytes_per_token, held_tokens
-from .methods import Method, NearCodes, Quantized, Salience, SinksWindow, parse_method
+from .methods import Evict, Method, NearCodes, Quantized, Salience, SinksWindow, parse_method
 from .methods.base import token_kv_bytes
 
 #: the sinks and recent window every budget keeps exact (and counts)
@@ -87,30 +87,38 @@ def exact_bytes(artifact, held: list[int], context: int, sink_tokens: int, windo
 
 def bits_for_ratio(artifact, ratio: float, *, pool: str, context: int, sink_tokens: int = EXACT[0],
                    window: int = EXACT[1], basis: str = "head", salience: Salience | None = None,
-                   priced: bool = False, near: NearCodes | None = None, window_bits: int = 16) -> int:
+                   priced: bool = False, near: NearCodes | None = None, window_bits: int = 16,
+                   evict: Evict | None = None) -> int:
     """The most bits per head (average) for `Quantized(bits, pool)` behind `SinksWindow(sink_tokens, window)` (and
-    `salience`'s exact tokens, or `near`'s tokens at its rate) whose whole cache at `context` tokens (exact sinks and
-    window in 16 bits, codes, the near codes, the salient tokens, positions) holds at most the 16-bit cache's bytes /
-    `ratio` per token (the window in `window_bits`: 16, or int8 / int4 with its scales). Raises ValueError if even
-    1 bit per head does not fit, and a context that is not a positive integer (`check_context`). `priced`: for
-    `Quantized(bits, pool, context=context)`, the pool priced by the tokens each layer holds."""
+    `salience`'s exact tokens, or `near`'s tokens at its rate, or with `evict`'s dropped tokens gone) whose whole cache
+    at `context` tokens (exact sinks and window in 16 bits, codes, the near codes, the salient tokens, the kept-token
+    bitmap, positions) holds at most the 16-bit cache's bytes / `ratio` per token (the window in `window_bits`: 16,
+    or int8 / int4 with its scales). `evict` is priced for a context prefilled in one forward (its tokens leave the
+    window in one block). Raises ValueError if even 1 bit per head does not fit, and a context that is not a positive
+    integer (`check_context`). `priced`: for `Quantized(bits, pool, context=context)`, the pool priced by the tokens
+    each layer holds."""
     check_context(context)
     full = sixteen_bit_bytes(artifact, context)
     held = held_tokens(artifact, context)
     exact = [exact_tokens(h, context, sink_tokens, window) for h in held]
     exact_total = exact_bytes(artifact, held, context, sink_tokens, window, window_bits)
-    salient = salient_bytes(artifact, salience, context - min(sink_tokens + window, context))
-    # each layer's coded tokens: the newest `near.tokens` of them at the near rate, the others at the middle's
-    nearby = [0 if near is None else min(near.tokens, h - e) for h, e in zip(held, exact)]
+    # each layer's coded tokens (a full-attention layer's less those `evict` drops, beside its bitmap): the newest
+    # `near.tokens` of them at the near rate, the others at the middle's
+    coded = [h - e if evict is None or w is not None else evict.kept(h - e)
+             for h, e, w in zip(held, exact, artifact.sliding_windows)]
+    bitmaps = 0 if evict is None else sum(-(-(h - e) // 8) for h, e, w in zip(held, exact, artifact.sliding_windows)
+                                          if w is None)
+    full_coded = context - min(sink_tokens + window, context)
+    salient = salient_bytes(artifact, salience, full_coded if evict is None else evict.kept(full_coded))
+    nearby = [0 if near is None else min(near.tokens, c) for c in coded]
     price = context if priced else None
 
     def total(bits: int) -> float:
-        codes = sum((h - e - n) * b for h, e, n, b in zip(held, exact, nearby, code_bytes(artifact, bits, pool, basis,
-                                                                                          price)))
+        codes = sum((c - n) * b for c, n, b in zip(coded, nearby, code_bytes(artifact, bits, pool, basis, price)))
         if near is not None:
             finer = Quantized(bits, pool=pool, basis=basis).finer(artifact, near.factor).bits
             codes += sum(n * b for n, b in zip(nearby, code_bytes(artifact, finer, pool, basis, price)))
-        return (exact_total + codes + salient) / context + POSITION_BYTES
+        return (exact_total + codes + salient + bitmaps) / context + POSITION_BYTES
 
     if total(1) > full / ratio:
         kept = f"{sink_tokens} sinks and a {window}-token{f' int{window_bits}' if window_bits != 16 else ''} window" + (
@@ -146,10 +154,12 @@ class Budget:
     salience: Salience | None = None
     near: NearCodes | None = None
     regions: SinksWindow | None = None
+    evict: Evict | None = None
 
     def __str__(self) -> str:
         size = f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
-        return size + "".join(f"+{m.spec()}" for m in (self.regions, self.near, self.salience) if m is not None)
+        return size + "".join(f"+{m.spec()}" for m in (self.regions, self.near, self.evict, self.salience)
+                              if m is not None)
 
     @property
     def exact(self) -> SinksWindow:
@@ -163,14 +173,14 @@ class Budget:
         exact = self.exact
         bits = self.bits if self.bits is not None else bits_for_ratio(
             artifact, self.ratio, pool=pool, context=context, sink_tokens=exact.sink_tokens, window=exact.window,
-            basis=self.basis, salience=self.salience, near=self.near, window_bits=exact.bits)
+            basis=self.basis, salience=self.salience, near=self.near, window_bits=exact.bits, evict=self.evict)
         return Quantized(bits, pool=pool, basis=self.basis)
 
     def methods(self, artifact, context: int) -> list[Method]:
-        """[SinksWindow(*EXACT) or `regions`, Quantized(bits, pool)] (and the near codes, the salience method) meeting
-        this budget at `context` tokens."""
+        """[SinksWindow(*EXACT) or `regions`, Quantized(bits, pool)] (and the near codes, the eviction, the salience
+        method) meeting this budget at `context` tokens."""
         return [self.exact, self.quantized(artifact, context),
-                *(m for m in (self.near, self.salience) if m is not None)]
+                *(m for m in (self.near, self.evict, self.salience) if m is not None)]
 
 
 def parse_budget(text: str) -> Budget:
@@ -178,14 +188,16 @@ def parse_budget(text: str) -> Budget:
     "+near" after either keeps the newest coded tokens at a higher rate out of the same budget ("16x+near",
     "16x+near:tokens=480", `NearCodes`), "+" and a salience method keeps its tokens exact ("16x+novelty",
     "16x+novelty:fraction=0.01"; `patchkv.methods.parse_method`); both, near first: "16x+near+novelty"; "+sinks:..."
-    first sets the exact regions ("16x+sinks:window=64,bits=8": an int8 window of 64, `SinksWindow`)."""
+    first sets the exact regions ("16x+sinks:window=64,bits=8": an int8 window of 64, `SinksWindow`); "+evict" drops
+    the tokens a score ranks lowest and codes the rest from the same bytes ("16x+evict", "16x+evict:fraction=0.2",
+    `Evict`)."""
     text, plus, extra = text.strip().lower().rpartition("+")
     if plus:
         method, budget = parse_method(extra.strip()), parse_budget(text)
         role = "near" if isinstance(method, NearCodes) else "salience" if isinstance(method, Salience) else \
-            "regions" if isinstance(method, SinksWindow) else None
+            "regions" if isinstance(method, SinksWindow) else "evict" if isinstance(method, Evict) else None
         if role is None:
-            raise ValueError(f"budget {text + plus + extra!r}: after '+' comes sinks, near or a salience method "
+            raise ValueError(f"budget {text + plus + extra!r}: after '+' comes sinks, near, evict or a salience method "
                              f"(novelty, code_error, key_norm, attention_mass), not {method.name!r}.")
         if getattr(budget, role) is not None:
             raise ValueError(f"budget {text + plus + extra!r} names two {role} methods; keep one.")

@@ -11,6 +11,8 @@ pre-RoPE mode, rotated in post-RoPE mode):
     salient_keys, salient_values [batch, kv_heads, s, head_dim]        copies of coded tokens (Salience), 16/8/4 bits
     salient_index, salient_score [batch, kv_heads, s, 1]               their coded index (int32), score (float32)
     salient_scale                [batch, kv_heads, s, 2 or 0]          int8 / int4 copies' scales (float32)
+    evict_kept                   [batch, 1, bytes, 1]                  which tokens that left the window are held
+                                                                       (Evict), a bitmap, 8 tokens a byte (uint8)
 
 int4 copies and windows are stored two to a byte, `[..., head_dim / 2]` uint8 (`methods.base.copy_layout`).
 
@@ -20,7 +22,10 @@ These are the stored names (`patchkv.cache_file` writes them): `latent_*` hold t
 Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
 `near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
 older ones move on into the middle, coded again at its rate (decoded, then encoded), `near_block` or more at a
-time. A plan with a `Salience` method keeps, per KV head, the coded tokens (middle and near) it scores highest exact
+time. A plan with `Evict` drops the tokens its score ranks lowest as they leave the window, before they are coded;
+each full-attention layer keeps a bitmap over the tokens that have left its window (bit `i` of byte `i // 8`, low bit
+first, set where the token is held), from which the held coded tokens' true positions and mask columns are read
+(`Visible.columns`). A plan with a `Salience` method keeps, per KV head, the coded tokens (middle and near) it scores highest exact
 as well (scored as they leave the window, the best `capacity(coded)` so far, indexed in position order over the middle
 then the near tokens, an index a token keeps as it moves from one to the other); attention reads those in place of
 their codes (`patchkv.operands.dense`, and the decode step's exact tokens). A forward's own tokens are read exact, as
@@ -63,7 +68,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .compat import init_cache_layer
 from .errors import PatchKVError
-from .methods import Observation, Salience
+from .methods import Evict, Observation, Salience
 from .nbytes import storage_nbytes
 from .operands import dense, unpatched
 from .patch import LayerPatch
@@ -77,10 +82,12 @@ SALIENT = ("salient_keys", "salient_values", "salient_index", "salient_score", "
 NEAR = ("near_keys", "near_values")
 #: an int8 / int4 window's scales (width 0 while the window is exact)
 WINDOW_SCALE = "recent_scale"
-#: every region a layer holds: sinks, middle and window, then a salience method's exact tokens, the near tokens and the
-#: window's scales
+#: the bitmap of the tokens held of those that left the window (`Evict`; zero bytes without it)
+KEPT = "evict_kept"
+#: every region a layer holds: sinks, middle and window, then a salience method's exact tokens, the near tokens, the
+#: window's scales and the kept-token bitmap
 REGIONS = ("sink_keys", "sink_values", "latent_keys", "latent_values", "recent_keys", "recent_values", *SALIENT, *NEAR,
-           WINDOW_SCALE)
+           WINDOW_SCALE, KEPT)
 
 
 class PositionTrack:
@@ -123,7 +130,7 @@ class LatentLayer(CacheLayerMixin):
 
     def __init__(self, patch: LayerPatch, sink_tokens: int = 0, window: int = 0, sliding_window: int | None = None,
                  track: PositionTrack | None = None, salience: Salience | None = None, near_tokens: int = 0,
-                 window_bits: int = 16):
+                 window_bits: int = 16, evict: Evict | None = None):
         init_cache_layer(self)  # CacheLayerMixin.__init__ would assign .keys/.values, read-only views here
         self.patch = patch  # codecs, mode and rotary table of the attention layer it serves
         # a sliding layer keeps its sinks exact while they are in its window, and at most `sliding_window - 1` recent
@@ -132,6 +139,7 @@ class LatentLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.salience = None if self.is_sliding else salience  # a sliding layer keeps only its last tokens
+        self.evict = None if self.is_sliding else evict  # ... and drops none of them
         self.near_tokens = near_tokens
         self.near_block = max(1, near_tokens // NEAR_BLOCKS)  # the fewest near tokens moving into the middle at once
         self.window_bits = window_bits  # 8 / 4: the window held as int8 / int4 between forwards
@@ -172,6 +180,7 @@ class LatentLayer(CacheLayerMixin):
                                                                           "recent_values")}
             self.tensors.update(no_salient(keys, values, self.salience))
             self.tensors.update(no_window_scale(empty["keys"]))
+            self.tensors.update(no_kept(keys))
             for name, codec in zip(("latent_keys", "latent_values", *NEAR), (self.patch.keys, self.patch.values,
                                                                              self.patch.near_keys, self.patch.near_values)):
                 self.tensors[name] = codec.encode(empty[name.split("_")[1]])
@@ -207,17 +216,25 @@ class LatentLayer(CacheLayerMixin):
             t.update(no_window_scale(t["recent_keys"]))
 
     def _encode(self, leaving: int, observed: Observation | None = None) -> None:
+        """The oldest `leaving` tokens of the window leave it: an `Evict` method drops its lowest ranked of them, a
+        salience method keeps its best exact, and the rest are coded into the near region or the middle."""
         t = self.tensors
-        start = self.coded_len  # the leaving tokens' first coded index (middle, then near tokens, in position order)
+        start, passed = self.coded_len, self.passed  # the leaving tokens' first coded index (middle, then near tokens,
+        # in position order); the tokens that left the window before them
         exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
-        # the middle's codes of the leaving tokens (with near codes, made only for a salience method that reads them)
-        reads = self.salience is not None and self.salience.reads_codes
+        scorers = [m for m in (self.evict, self.salience) if m is not None]
+        if observed is not None and any(m.observes for m in scorers):  # the leaving tokens as this forward's queries
+            observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]  # read them
+            observed.keys = observed.read_keys(exact[0], observed.positions)
+        # the middle's codes of the leaving tokens (with near codes, made only for a scorer that reads them)
         stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)] \
-            if not self.near_tokens or reads else None
+            if not self.near_tokens or any(m.reads_codes for m in scorers) else None
+        if self.evict is not None:
+            with torch.profiler.record_function("patchkv::evict"):
+                exact, stored = self._evict(exact, stored, passed, observed)
+        for kind in ("keys", "values"):
+            t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
         if self.salience is not None:
-            if observed is not None:  # the leaving tokens as this forward's queries read them
-                observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]
-                observed.keys = observed.read_keys(exact[0], observed.positions)
             with torch.profiler.record_function("patchkv::salience"):
                 self._keep_salient(*exact, stored, start, observed)
         if self.near_tokens:
@@ -225,7 +242,26 @@ class LatentLayer(CacheLayerMixin):
             return
         for kind, encoded in zip(("keys", "values"), stored):
             self._grow(f"latent_{kind}", encoded)
-            t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
+
+    def _evict(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None, passed: int,
+               observed: Observation | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Tokens leaving the window after `passed` others have, exact keys and values `[batch, kv_heads, n,
+        head_dim]` and their middle codes `[batch, 1, n, width]` (or None): the `Evict` method's lowest ranked go
+        (the same number from each sequence of the batch, and from `observed`), the bitmap records which stay;
+        returns those that stay, in position order."""
+        batch, _, n, _ = exact[0].shape
+        drop = self.evict.dropped(n)
+        held = torch.ones(batch, n, dtype=torch.bool, device=exact[0].device)
+        if drop:
+            score = self.evict.rank(self.patch, *exact, stored and tuple(stored), observed)  # [batch, n]
+            held.scatter_(1, score.sort(dim=1, stable=True).indices[:, :drop], False)
+            index = held.nonzero()[:, 1].view(batch, n - drop)
+            exact = [_take(x, index) for x in exact]
+            stored = None if stored is None else [_take(x, index) for x in stored]
+            if observed is not None and observed.keys is not None:
+                observed.keys, observed.positions = _take(observed.keys, index), observed.positions.gather(1, index)
+        self.tensors[KEPT] = _append_bits(self.tensors[KEPT], passed, held)
+        return exact, stored
 
     def _encode_near(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None = None) -> None:
         """The tokens leaving the window, exact keys and values `[batch, kv_heads, n, head_dim]` (and their middle
@@ -249,7 +285,6 @@ class LatentLayer(CacheLayerMixin):
             if parts:
                 self._grow(f"latent_{kind}", parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
             t[name] = torch.cat([t[name][:, :, recoded:], near.encode(x[:, :, direct:])], dim=2)
-            t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()  # not a view of the forward's K/V
 
     def _keep_salient(self, keys: torch.Tensor, values: torch.Tensor, stored: list[torch.Tensor] | None, start: int,
                       observed: Observation | None = None) -> None:
@@ -351,11 +386,15 @@ class LatentLayer(CacheLayerMixin):
                 for kind in ("keys", "values"):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
         ns, nn, nr = t["sink_keys"].shape[2], t["near_keys"].shape[2], t["recent_keys"].shape[2]
-        sink_pos, middle_pos, near_pos, window_pos = self._positions(kept).split([ns, kept - ns - nn - nr, nn, nr], dim=1)
+        columns = self._columns() if kept == self.kept else None  # a sliding layer (which drops none) may cut some
+        positions = self._positions(kept) if columns is None else \
+            self.track.positions[:, :self.cumulative_length].gather(1, columns)
+        sink_pos, middle_pos, near_pos, window_pos = positions.split([ns, kept - ns - nn - nr, nn, nr], dim=1)
         dtype = t["sink_keys"].dtype
         window_keys, window_values = _read_copies(t, "recent", dtype)
         seen = Visible(t["sink_keys"], t["sink_values"], window_keys, window_values,
-                       t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, window_pos)
+                       t["latent_keys"].squeeze(1), t["latent_values"].squeeze(1), sink_pos, middle_pos, window_pos,
+                       columns=columns)
         if nn:
             seen.near_keys, seen.near_values = t["near_keys"].squeeze(1), t["near_values"].squeeze(1)
             seen.near_positions = near_pos
@@ -366,6 +405,24 @@ class LatentLayer(CacheLayerMixin):
             coded_pos = torch.cat([middle_pos, near_pos], dim=1) if nn else middle_pos
             seen.salient_positions = coded_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
         return seen
+
+    def _columns(self) -> torch.Tensor | None:
+        """Where `Evict` has dropped tokens: the index in the sequence (the mask's column) of every token held,
+        sinks, coded tokens (the bitmap's set bits) and window, int64 `[batch, kept]`; None where every token seen is
+        held, in order."""
+        passed = self.passed
+        if self.evict is None or self.coded_len == passed:
+            return None
+        batch, ns = self.batch_size, self.sink_len
+        coded = unpack_bits(self.tensors[KEPT], passed).nonzero()[:, 1].view(batch, -1) + ns
+        device, end = coded.device, self.cumulative_length
+        return torch.cat([torch.arange(ns, device=device).expand(batch, ns), coded,
+                          torch.arange(end - self.window_len, end, device=device).expand(batch, -1)], dim=1)
+
+    @property
+    def passed(self) -> int:
+        """Tokens of a full-attention layer that have left its window (coded, or dropped by `Evict`)."""
+        return self.cumulative_length - self.sink_len - self.window_len
 
     def _positions(self, kept: int) -> torch.Tensor:
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
@@ -461,6 +518,9 @@ class LatentLayer(CacheLayerMixin):
         remove = min(-tokens_to_remove, self.cumulative_length)
         if remove == 0 or not self.is_initialized:
             return
+        seen = remove
+        if self.evict is not None:  # the last `remove` tokens of the sequence: the held ones among them go
+            remove = self._crop_kept(remove)
         if self.is_sliding and self.cumulative_length >= self.sliding_window and not self.record_past:
             raise PatchKVError("This sliding-window latent layer no longer holds the tokens to crop; call "
                                "cache.activate_past_recording() before generating if you need to roll back.")
@@ -472,9 +532,25 @@ class LatentLayer(CacheLayerMixin):
                     self.tensors[name] = kept if region == "latent" else kept.clone()
                 remove -= n
         self._drop_salient_past(self.coded_len)
-        self.cumulative_length -= min(-tokens_to_remove, self.cumulative_length)
+        self.cumulative_length -= seen
         if self.is_sliding:
             self._keep_last(self.sliding_window - 1)
+
+    def _crop_kept(self, remove: int) -> int:
+        """Before a crop of the last `remove` tokens of the sequence: the bitmap cut to the tokens that left the window
+        before them; returns how many tokens the layer holds among them (window, coded, sinks)."""
+        window, passed = min(remove, self.window_len), self.passed
+        cut = min(remove - window, passed)
+        if not cut:
+            return remove
+        bits = unpack_bits(self.tensors[KEPT], passed)
+        held = bits[:, passed - cut:].sum(1)
+        if bool((held != held[0]).any()):
+            raise PatchKVError(f"cannot crop {remove} tokens: the sequences of this batch hold different numbers of "
+                               f"them ({held.tolist()}; Evict dropped different tokens from each); crop at most "
+                               f"{window} tokens (the window) or one sequence at a time.")
+        self.tensors[KEPT] = _pack_bits(bits[:, :passed - cut])
+        return window + int(held[0]) + (remove - window - cut)
 
     def offload(self) -> None:
         self.map(lambda t: t.to("cpu", non_blocking=True))
@@ -508,7 +584,7 @@ class LatentCache(Cache):
         self.track = PositionTrack()
         plan = patch.plan
         layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track, plan.salience,
-                              plan.near_tokens, plan.window_bits) for lp in patch.layers]
+                              plan.near_tokens, plan.window_bits, plan.evict) for lp in patch.layers]
         super().__init__(layers=layers)
         self.offload_layers = offloading
         self.fingerprint = patch.fingerprint
@@ -582,6 +658,8 @@ class LatentCache(Cache):
             copies = "exact" if layer.salience is None or layer.salience.bits == 16 else \
                 f"as int{layer.salience.bits} copies"
             salient = f" ({layer.salient_len} per KV head also {copies})" if layer.salient_len else ""
+            if layer.evict is not None and layer.is_initialized:
+                salient += f", {layer.passed - layer.coded_len} dropped"
             held = f" (int{layer.window_bits})" if layer.window_bits != 16 else ""
             lines.append(f"  layer {i}: {kind}, sinks {layer.sink_len}, middle {layer.middle_len}{salient}, "
                          f"window {layer.window_len}{held}, {layer.nbytes()} bytes")
@@ -652,6 +730,43 @@ def no_window_scale(keys: torch.Tensor) -> dict[str, torch.Tensor]:
     """The scales of an exact window (width 0) for a layer whose window keys are `keys` `[batch, kv_heads, n,
     head_dim]` (a cache file written before int8 windows existed)."""
     return {WINDOW_SCALE: keys.new_zeros((*keys.shape[:3], 0), dtype=torch.float32)}
+
+
+def no_kept(keys: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An empty kept-token bitmap for a layer whose keys are like `keys` `[batch, kv_heads, n, head_dim]` (no token
+    has left its window; a plan without `Evict`, or a cache file written before eviction existed)."""
+    return {KEPT: keys.new_zeros((keys.shape[0], 1, 0, 1), dtype=torch.uint8)}
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bool `[batch, n]` -> the bitmap `[batch, 1, ceil(n / 8), 1]` uint8, bit `i` in byte `i // 8`, low bit first
+    (the bits past n zero)."""
+    batch, n = bits.shape
+    padded = torch.zeros(batch, -(-n // 8) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:, :n] = bits
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    return (padded.view(batch, -1, 8) * weights).sum(-1, dtype=torch.uint8).view(batch, 1, -1, 1)
+
+
+def unpack_bits(bitmap: torch.Tensor, n: int) -> torch.Tensor:
+    """The bitmap `[batch, 1, bytes, 1]` uint8 (`_pack_bits`) -> its first `n` bits, bool `[batch, n]`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
+    bits = (bitmap.view(bitmap.shape[0], -1, 1) >> shifts) & 1
+    return bits.view(bitmap.shape[0], -1)[:, :n].bool()
+
+
+def _append_bits(bitmap: torch.Tensor, n: int, bits: torch.Tensor) -> torch.Tensor:
+    """The bitmap of `n` bits `[batch, 1, ceil(n / 8), 1]` with `bits` bool `[batch, m]` after them (only its last,
+    partial byte is repacked)."""
+    whole = n // 8
+    if n % 8:
+        bits = torch.cat([unpack_bits(bitmap[:, :, whole:], n % 8), bits], dim=1)
+    return torch.cat([bitmap[:, :, :whole], _pack_bits(bits)], dim=2)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x `[batch, heads, n, width]` at each sequence's tokens `index` `[batch, k]` -> `[batch, heads, k, width]`."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
 def no_near(lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ over the codes, laid out byte column by byte column (each column holds the same 
 takes back what the fixed rate spends on unlikely levels. Only packed codes (uint8 middles) are compressed; the
 exact sinks and window, low-rank latents and positions are stored as they are.
 
-Format (version 5)
+Format (version 6)
 ==================
 One safetensors file. Tensors, for each layer `i` and each region `r` of `patchkv.cache.REGIONS`:
 
@@ -26,17 +26,21 @@ One safetensors file. Tensors, for each layer `i` and each region `r` of `patchk
                                                 zero-sized without one; the near
                                                 regions of `NearCodes`, zero-sized without it; the window
                                                 exact, or int8 / int4 with its float32 scales in `recent_scale`,
-                                                `[batch, kv_heads, window, 2]`, width 0 for an exact window)
+                                                `[batch, kv_heads, window, 2]`, width 0 for an exact window; the
+                                                kept-token bitmap of `Evict`, uint8 `[batch, 1, bytes, 1]`, bit i
+                                                of byte i // 8 (low bit first) set where the i-th token to leave
+                                                the window is held, zero bytes without it)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
 
-The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 5; `fingerprint`, the
+The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 6; `fingerprint`, the
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
 and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
 
 `load_cache` reads tensors and JSON only (nothing is executed) and checks the whole file against the model's patch
 from its header before it reads a tensor; it raises `PatchKVError` naming what differs (what it found, what the
-patch holds) unless: the entry is there at version 5 (4, written before int8 windows existed: its window exact; 3, before int8 salient
+patch holds) unless: the entry is there at version 6 (5, written before eviction existed: every token held; 4,
+before int8 windows existed too: its window exact; 3, before int8 salient
 copies existed too: its copies exact; 2, before the near regions too; 1, before the salient regions too: read with none); the fingerprint is the model's patch's (the same artifact and methods); the layer count is the patch's; every
 layer holds all its regions (or none does, for an empty cache) and all have seen the same number of tokens, which is
 the length of the int32 position track `[batch, seen]`; every region is present with its declared shape and dtype,
@@ -46,7 +50,9 @@ patch's dtype (or int8, or int4 two to a byte, with 2 scales: `patchkv.methods.b
 int32 and scores float32, one
 batch throughout; keys and values of a region hold as many tokens, and the counts are what the layer keeps (its
 sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
-in a sliding one, salient copies only under a salience method and no more than the middle); salient indices point
+in a sliding one, salient copies only under a salience method and no more than the middle; under `Evict` a full
+layer holds the sinks, the window and the bitmap's set bits, its bitmap as many bytes as the tokens that left the
+window need and no bit set past them, and without it every token and an empty bitmap); salient indices point
 into the middle; every true position lies in [0, limit), limit the model's `max_position_embeddings` or, past it,
 the tokens seen; deflated regions inflate to exactly their declared bytes with their crc32.
 
@@ -68,15 +74,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, no_near, no_salient, no_window_scale
+from .cache import (KEPT, NEAR, REGIONS, SALIENT, WINDOW_SCALE, LatentCache, LatentLayer, no_kept, no_near, no_salient,
+                    no_window_scale, unpack_bits)
 from .errors import PatchKVError
 from .lossless import InflateError, check_compress, deflate, inflate
 from .methods.base import copy_layout
 
 FORMAT = "patchkv_cache"
-VERSION = 5
-#: versions load_cache reads: 3 has no salient scales (exact copies), 2 no near regions either, 1 no salient regions
-READABLE = (1, 2, 3, 4, 5)
+VERSION = 6
+#: versions load_cache reads: 5 has no kept-token bitmap (every token held), 4 no window scales either (an exact
+#: window), 3 no salient scales either (exact copies), 2 no near regions either, 1 no salient regions either
+READABLE = (1, 2, 3, 4, 5, 6)
 ENCODINGS = ("raw", "deflate")
 #: the dtypes a region may be stored in, by their names in the metadata and in the safetensors header
 _SAFETENSORS = {torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16",
@@ -165,6 +173,7 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
             held.update(no_window_scale(held["recent_keys"]))
         if "near_keys" not in held:
             held.update(no_near(layer.patch, held["sink_keys"], held["sink_values"]))
+        held.update(_kept(path, i, held, entry["cumulative_length"]))
         layer.tensors = {name: t.to(device) for name, t in held.items()}
         layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
     if "positions" in tensors:
@@ -243,8 +252,9 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
     least the last `sliding_window - 1` in a sliding one), exact copies of middle tokens only with a salience
     method. Returns the tensor names."""
     regions = entry["regions"]
-    missing = {5: (), 4: (WINDOW_SCALE,), 3: ("salient_scale", WINDOW_SCALE), 2: (*NEAR, "salient_scale", WINDOW_SCALE),
-               1: (*NEAR, *SALIENT, WINDOW_SCALE)}[version]  # regions a file of that version was written without
+    missing = {6: (), 5: (KEPT,), 4: (WINDOW_SCALE, KEPT), 3: ("salient_scale", WINDOW_SCALE, KEPT),
+               2: (*NEAR, "salient_scale", WINDOW_SCALE, KEPT),
+               1: (*NEAR, *SALIENT, WINDOW_SCALE, KEPT)}[version]  # regions a file of that version was written without
     expected = tuple(r for r in REGIONS if r not in missing)
     if set(regions) != set(expected):
         raise _damaged(path, f"layer {i} holds regions {sorted(regions)}, expected {list(expected)}")
@@ -291,6 +301,7 @@ def _patterns(layer: LatentLayer, batch: int) -> dict[str, tuple[torch.dtype, tu
                                             f"the {kind}' {codec.describe()}")
     patterns["salient_index"] = (torch.int32, (batch, heads, 1), "salient coded indices")
     patterns["salient_score"] = (torch.float32, (batch, heads, 1), "salient scores")
+    patterns[KEPT] = (torch.uint8, (batch, 1, 1), "the kept-token bitmap")
     return patterns
 
 
@@ -303,14 +314,20 @@ def _check_counts(path: Path, i: int, layer: LatentLayer, seen: int, tokens: dic
         held = f"at least {min(seen, layer.sliding_window - 1)} and at most {seen} tokens (sliding window " \
                f"{layer.sliding_window}), at most {min(layer.sink_tokens, seen)} sinks"
         ok = sinks <= min(layer.sink_tokens, seen) and min(seen, layer.sliding_window - 1) <= kept <= seen
+    elif layer.evict is not None:
+        passed = seen - sinks - recent
+        held = f"{min(layer.sink_tokens, seen)} sinks and at most the {passed} tokens that left the window of " \
+               f"{seen}, a bitmap of {-(-passed // 8)} bytes"
+        ok = sinks == min(layer.sink_tokens, seen) and middle + near <= passed and \
+            tokens.get(KEPT, 0) == -(-passed // 8)
     else:
-        held = f"all {seen} tokens, {min(layer.sink_tokens, seen)} of them sinks"
-        ok = sinks == min(layer.sink_tokens, seen) and kept == seen
+        held = f"all {seen} tokens, {min(layer.sink_tokens, seen)} of them sinks, no bitmap"
+        ok = sinks == min(layer.sink_tokens, seen) and kept == seen and not tokens.get(KEPT, 0)
     capacity = "none" if layer.salience is None else f"at most the {middle + near} coded tokens"
     if not ok or recent > layer.window or near > layer.near_tokens or \
             salient > (0 if layer.salience is None else middle + near):
         raise _damaged(path, f"layer {i} holds {sinks} sinks, {middle} middle, {near} near, {recent} recent and "
-                             f"{salient} salient tokens after {seen} seen; under this patch it holds {held}, at most "
+                             f"{salient} salient tokens and a bitmap of {tokens.get(KEPT, 0)} bytes after {seen} seen; under this patch it holds {held}, at most "
                              f"{layer.window} recent and {layer.near_tokens} near, salient copies: {capacity}")
 
 
@@ -347,6 +364,25 @@ def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, tor
         raise _damaged(path, f"layer {i}'s salient regions point at coded tokens {int(index.min())} to "
                              f"{int(index.max())}, its middle and near regions hold {coded}")
     return {name: held[name] for name in SALIENT}
+
+
+def _kept(path: Path, i: int, held: dict[str, torch.Tensor], seen: int) -> dict[str, torch.Tensor]:
+    """Layer `i`'s kept-token bitmap (its bytes checked by `_check_layout`): as many bits set in each sequence as the
+    coded tokens it holds, none past the tokens that left the window; an empty one for a file written before
+    version 6."""
+    if KEPT not in held:
+        return no_kept(held["sink_keys"])
+    bitmap = held[KEPT]
+    if not bitmap.shape[2]:
+        return {KEPT: bitmap}
+    passed = seen - held["sink_keys"].shape[2] - held["recent_keys"].shape[2]
+    bits = unpack_bits(bitmap, bitmap.shape[2] * 8)
+    coded = held["latent_keys"].shape[2] + held["near_keys"].shape[2]
+    if bits[:, passed:].any() or bool((bits.sum(1) != coded).any()):
+        raise _damaged(path, f"layer {i}'s bitmap marks {bits[:, :passed].sum(1).tolist()} of the {passed} tokens that "
+                             f"left the window held ({int(bits[:, passed:].sum())} bits set past them), its middle and "
+                             f"near regions hold {coded}")
+    return {KEPT: bitmap}
 
 
 def _check_entry(path: Path, name: str, entry: dict, stored: Header) -> None:

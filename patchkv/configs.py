@@ -110,7 +110,8 @@ def family_of(target: Budget) -> str:
     window = "" if exact is None else f"+{f'int{exact.bits} ' if exact.bits != 16 else ''}window {exact.window}" + (
         f", {exact.sink_tokens} sinks" if exact.sink_tokens != 4 else "")
     basis = "-layer" if target.basis == "layer" else ""
-    return f"patchkv{basis}{window}" + "".join(f"+{m.spec()}" for m in (target.near, target.salience) if m is not None)
+    return f"patchkv{basis}{window}" + "".join(f"+{m.spec()}" for m in (target.near, target.evict, target.salience)
+                                               if m is not None)
 
 
 def peer(name: str) -> Config:

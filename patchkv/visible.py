@@ -23,7 +23,9 @@ class Visible:
     cache space, at coded indices `salient_index` int64 `[batch, kv_heads, s]` (over the middle, then the near
     tokens) and true positions
     `salient_positions` `[batch, kv_heads, s]`; None where the plan keeps none. Attention reads them in place of
-    their codes.
+    their codes. columns: where `patchkv.methods.Evict` has dropped tokens, each visible token's index in the
+    sequence (its column in the model's attention mask), int64 `[batch, n]`; None where the visible tokens are the
+    sequence's own, in order.
     """
 
     sink_keys: torch.Tensor
@@ -42,6 +44,7 @@ class Visible:
     near_keys: torch.Tensor | None = None
     near_values: torch.Tensor | None = None
     near_positions: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
 
     @property
     def middle_len(self) -> int:

@@ -143,7 +143,7 @@ def test_budgets_and_specs():
     with pytest.raises(ValueError, match="layer bases"):  # calibrated without them
         block_method(artifact, "8x", basis="layer")
     assert block_method(artifact, "lowrank:rank=8") == LowRank(rank=8)
-    for extra in ("novelty", "near"):
+    for extra in ("novelty", "near", "evict"):
         with pytest.raises(ValueError, match=f"without salient or near tokens; drop '\\+{extra}'"):
             block_method(artifact, f"8x+{extra}")
     with pytest.raises(ValueError, match="codec method"):

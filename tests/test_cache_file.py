@@ -113,13 +113,15 @@ def test_salient_regions_are_checked_and_a_version_1_file_loads_with_none(tmp_pa
                   metadata={FORMAT: json.dumps(meta)})
         with pytest.raises(patchkv.PatchKVError, match="layer 1's salient regions"):
             load_cache(model, tmp_path / "far.safetensors")
-    with patchkv.patched(model, artifact, methods[:2]):  # written before window scales (version 4), salient scales (3),
-        # near regions (2) and salient regions (1)
+    with patchkv.patched(model, artifact, methods[:2]):  # written before the kept-token bitmap (version 5), window
+        # scales (4), salient scales (3), near regions (2) and salient regions (1)
         saved = save_cache(prefix(model, calibration_ids(1, 40, seed=5)), tmp_path / "v3.safetensors")
         with safe_open(str(saved.path), framework="pt") as f:
             meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
-        for version, absent in ((4, ("recent_scale",)), (3, ("salient_scale", "recent_scale")),
-                                (2, ("near_", "salient_scale", "recent_scale")), (1, ("near_", "salient_", "recent_scale"))):
+        for version, absent in ((5, ("evict_",)), (4, ("recent_scale", "evict_")),
+                                (3, ("salient_scale", "recent_scale", "evict_")),
+                                (2, ("near_", "salient_scale", "recent_scale", "evict_")),
+                                (1, ("near_", "salient_", "recent_scale", "evict_"))):
             old = json.loads(json.dumps(meta))
             old["format_version"] = version
             for layer in old["layers"]:

@@ -140,14 +140,14 @@ def test_a_saved_cache_keeps_its_int8_window_and_a_version_4_file_loads_exact(tm
                            model(ids[:, -4:], cache=loaded, use_cache=True).logits)
     with patchkv.patched(model, art, EXACT):
         cache = model(ids[:, :-4], use_cache=True).cache
-        saved = patchkv.save_cache(cache, tmp_path / "v5.safetensors")
+        saved = patchkv.save_cache(cache, tmp_path / "v6.safetensors")
         with safe_open(str(saved.path), framework="pt") as f:
             meta, tensors = json.loads(f.metadata()[FORMAT]), {k: f.get_tensor(k) for k in f.keys()}
-        meta["format_version"] = 4
+        meta["format_version"] = 4  # written before window scales and the kept-token bitmap
         for layer in meta["layers"]:
-            del layer["regions"]["recent_scale"]
-        save_file({k: v for k, v in tensors.items() if not k.endswith("recent_scale")}, str(tmp_path / "v4.safetensors"),
-                  metadata={FORMAT: json.dumps(meta)})
+            del layer["regions"]["recent_scale"], layer["regions"]["evict_kept"]
+        save_file({k: v for k, v in tensors.items() if not k.endswith(("recent_scale", "evict_kept"))},
+                  str(tmp_path / "v4.safetensors"), metadata={FORMAT: json.dumps(meta)})
         old = patchkv.load_cache(model, tmp_path / "v4.safetensors")
         assert torch.equal(model(ids[:, -4:], cache=cache, use_cache=True).logits,
                            model(ids[:, -4:], cache=old, use_cache=True).logits)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from .attention_mass import AttentionMass
 from .base import CachePlan, CodecMethod, Method, Observation, Salience, Selector
 from .code_error import CodeError
+from .evict import Evict
 from .key_norm import KeyNorm
 from .lowrank import LowRank
 from .near import NearCodes
@@ -22,8 +23,8 @@ from .sinks_window import SinksWindow
 from .topk import TopK
 
 #: name -> method class; `patchkv eval --method NAME:field=value,...` and the evals look methods up here.
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (AttentionMass, CodeError, KeyNorm, LowRank, NearCodes,
-                                                               Novelty, Quantized, SinksWindow, TopK)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (AttentionMass, CodeError, Evict, KeyNorm, LowRank,
+                                                               NearCodes, Novelty, Quantized, SinksWindow, TopK)}
 
 
 def parse_method(spec: str) -> Method:
@@ -86,6 +87,6 @@ def build_plan(methods: Iterable[Method]) -> CachePlan:
     return plan
 
 
-__all__ = ["METHODS", "AttentionMass", "CachePlan", "CodeError", "CodecMethod", "KeyNorm", "LowRank", "Method",
-           "NearCodes", "Novelty", "Observation", "Quantized", "Salience", "Selector", "SinksWindow", "TopK", "build_plan",
-           "from_options", "parse_method"]
+__all__ = ["METHODS", "AttentionMass", "CachePlan", "CodeError", "CodecMethod", "Evict", "KeyNorm", "LowRank",
+           "Method", "NearCodes", "Novelty", "Observation", "Quantized", "Salience", "Selector", "SinksWindow", "TopK",
+           "build_plan", "from_options", "parse_method"]

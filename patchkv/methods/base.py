@@ -8,7 +8,8 @@ A plan says what the cache stores and how attention reads it:
 - `selector`: decode-time token selection over the middle (`TopK`);
 - `salience`: which middle tokens each KV head also keeps exact, by a question-agnostic score (`Salience`:
   `Novelty`, `CodeError`, `KeyNorm`, `AttentionMass`);
-- `near`: the newest coded tokens kept at a higher rate than the rest of the middle (`NearCodes`).
+- `near`: the newest coded tokens kept at a higher rate than the rest of the middle (`NearCodes`);
+- `evict`: the coded tokens a score ranks lowest dropped as they leave the window (`Evict`).
 
 A new method is one file in this folder: a dataclass subclassing `Method` with a `name`, validated fields
 and `configure`, registered in `patchkv/methods/__init__.py`. The CLI and the evals read that registry.
@@ -235,6 +236,7 @@ class CachePlan:
     selector: Selector | None = None
     salience: Salience | None = None
     near: Method | None = None  # a `NearCodes`
+    evict: Method | None = None  # an `Evict`
     methods: tuple[Method, ...] = field(default=())
 
     @property
