@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 (artifacts["pre_rope"], parse_budget(name).methods(artifacts["pre_rope"], 4096))
             if patch is None and scorer is not None:
                 raise SystemExit(f"eviction: {name} keeps no codes to drop from; name a patchkv configuration.")
-            if scorer is not None and any(isinstance(m, (patchkv.NearCodes, Salience)) for m in patch[1]):
+            if scorer is not None and any(isinstance(m, (patchkv.NearCodes, patchkv.Evict, Salience)) for m in patch[1]):
                 raise SystemExit(f"eviction: {name} keeps near codes or salient copies, whose dropped tokens this "
                                  "simulation does not count; name a configuration with codes and exact regions only.")
             for sample in samples:

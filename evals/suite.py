@@ -70,9 +70,9 @@ def load_smollm2(dtype: torch.dtype | None = None, attn: str = "sdpa", rope_fact
 
 
 def _coded(ratio: float, name: str, note: str, mode: str = "pre_rope", basis: str = "head", salience=None,
-           extra: tuple = (), family: str = "patchkv", near=None, regions=None) -> Config:
-    return budget(Budget(ratio=ratio, pool="global", basis=basis, salience=salience, near=near, regions=regions), name,
-                  mode=mode, extra=extra, family=family, note=note)
+           extra: tuple = (), family: str = "patchkv", near=None, regions=None, evict=None) -> Config:
+    return budget(Budget(ratio=ratio, pool="global", basis=basis, salience=salience, near=near, regions=regions,
+                         evict=evict), name, mode=mode, extra=extra, family=family, note=note)
 
 
 #: the salient fraction the suite's salience configs keep exact per KV head (paid for from the same budget)
@@ -92,6 +92,15 @@ INT4_COPIES = patchkv.Novelty(INT8_FRACTION, bits=4)
 #: the exact regions of the "-w8" configs: the budgets' sinks and window, the window held as int8 (half its bytes go
 #: to the codes)
 INT8_WINDOW = patchkv.SinksWindow(*EXACT, bits=8)
+
+
+def _evicting(ratio: int, fraction: float = 0.3) -> Config:
+    """`ratio` with `Evict(fraction)` (Novelty) from the same bytes: "16x-evict", another fraction named by its
+    percentage ("16x-evict20")."""
+    method = patchkv.Evict(fraction)
+    share = "" if fraction == patchkv.Evict().fraction else str(round(100 * fraction))
+    return _coded(ratio, f"{ratio}x-evict{share}", f"global pre-RoPE codes, {method.spec()} dropped, {ratio}x vs bf16",
+                  evict=method, family=f"patchkv+evict{share}")
 
 
 def _salient(ratio: int, scorer: type) -> Config:
@@ -140,6 +149,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_near(ratio, "layer", patchkv.Novelty(INT8_FRACTION, bits=8), INT8_WINDOW, NEAR4) for ratio in (8, 16, 32)),
     _near(32, "layer", patchkv.Novelty(NEAR6_INT8_FRACTION, bits=8), INT8_WINDOW, NEAR6),
     _near(32, "layer", INT4_COPIES, INT8_WINDOW, NEAR6),
+    *(_evicting(ratio) for ratio in (16, 32)),
+    _evicting(16, 0.2),
 )}
 
 
