@@ -82,6 +82,14 @@ class Method:
         fields = ",".join(f"{k}={v}" for k, v in vars(self).items() if v is not None)
         return f"{self.name}:{fields}" if fields else self.name
 
+    def fraction_of_tokens(self) -> None:
+        """The `fraction` field checked to be a number in (0, 1) and kept as a plain float (for `__post_init__` of a
+        frozen dataclass)."""
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) < 1.0:
+            raise ValueError(f"{self.name}: fraction must be a number in (0, 1), got {fraction!r}.")
+        object.__setattr__(self, "fraction", float(fraction))
+
     def integers(self, minimum: int, *fields: str) -> None:
         """Each of `fields` that is not None checked to be an integer >= `minimum` (`check_int`) and kept as a plain
         int (for `__post_init__` of a frozen dataclass)."""
@@ -175,10 +183,7 @@ class Salience(Method):
     bits: int = field(default=16, kw_only=True)  # keyword only: a subclass's own fields follow `scope` positionally
 
     def __post_init__(self):
-        fraction = self.fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) < 1.0:
-            raise ValueError(f"{self.name}: fraction must be a number in (0, 1), got {fraction!r}.")
-        object.__setattr__(self, "fraction", float(fraction))
+        self.fraction_of_tokens()
         if self.scope not in SCOPES:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
         object.__setattr__(self, "bits", check_bits(self.name, self.bits, "exact copies, or int8 or int4 with a scale"))

@@ -22,7 +22,6 @@ bitmap ("16x+evict": the codes get the bytes the dropped tokens free, `patchkv.b
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -53,10 +52,7 @@ class Evict(Method):
     block: int = 64
 
     def __post_init__(self):
-        fraction = self.fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) < 1.0:
-            raise ValueError(f"{self.name}: fraction must be a number in (0, 1), got {fraction!r}.")
-        object.__setattr__(self, "fraction", float(fraction))
+        self.fraction_of_tokens()
         if self.scorer not in SCORERS:
             raise ValueError(f"{self.name}: scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}.")
         self.integers(1, "block")
