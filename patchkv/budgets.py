@@ -145,7 +145,7 @@ class Budget:
     the global pool when the artifact has effect weights; `basis` "head" or "layer" (`Quantized`'s); `salience` a
     `Salience` method whose exact tokens the ratio pays for too (the codes get what is left); `regions` the
     `SinksWindow` kept exact (None: `SinksWindow(*EXACT)`; an int8 / int4 or longer window is paid for from the same
-    bytes)."""
+    bytes); `evict` an `Evict` whose dropped tokens free bytes for the codes (its bitmap paid for)."""
 
     ratio: float | None = None
     bits: int | None = None
