@@ -515,12 +515,10 @@ class LatentLayer(CacheLayerMixin):
         as generation proceeds."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
-        remove = min(-tokens_to_remove, self.cumulative_length)
-        if remove == 0 or not self.is_initialized:
+        removed = min(-tokens_to_remove, self.cumulative_length)  # the last tokens of the sequence
+        if removed == 0 or not self.is_initialized:
             return
-        seen = remove
-        if self.evict is not None:  # the last `remove` tokens of the sequence: the held ones among them go
-            remove = self._crop_kept(remove)
+        remove = removed if self.evict is None else self._crop_kept(removed)  # those of them the layer holds
         if self.is_sliding and self.cumulative_length >= self.sliding_window and not self.record_past:
             raise PatchKVError("This sliding-window latent layer no longer holds the tokens to crop; call "
                                "cache.activate_past_recording() before generating if you need to roll back.")
@@ -532,7 +530,7 @@ class LatentLayer(CacheLayerMixin):
                     self.tensors[name] = kept if region == "latent" else kept.clone()
                 remove -= n
         self._drop_salient_past(self.coded_len)
-        self.cumulative_length -= seen
+        self.cumulative_length -= removed
         if self.is_sliding:
             self._keep_last(self.sliding_window - 1)
 
