@@ -99,13 +99,15 @@ INT8_WINDOW = patchkv.SinksWindow(*EXACT, bits=8)
 EVICT32_FRACTION = 0.7
 
 
-def _evicting(ratio: int, fraction: float = 0.3) -> Config:
-    """`ratio` with `Evict(fraction)` (Novelty) from the same bytes: "16x-evict", another fraction named by its
-    percentage ("16x-evict20")."""
-    method = patchkv.Evict(fraction)
+def _evicting(ratio: int, fraction: float = 0.3, scorer: str = "novelty") -> Config:
+    """`ratio` with `Evict(fraction, scorer)` from the same bytes: "16x-evict" (Novelty), another fraction named by
+    its percentage ("16x-evict20"), another scorer by its name after it ("16x-evict-attentionmass")."""
+    method = patchkv.Evict(fraction, scorer)
     share = "" if fraction == patchkv.Evict().fraction else str(round(100 * fraction))
-    return _coded(ratio, f"{ratio}x-evict{share}", f"global pre-RoPE codes, {method.spec()} dropped, {ratio}x vs bf16",
-                  evict=method, family=f"patchkv+evict{share}")
+    by = "" if scorer == patchkv.Evict().scorer else f"-{scorer.replace('_', '')}"
+    return _coded(ratio, f"{ratio}x-evict{share}{by}",
+                  f"global pre-RoPE codes, {method.spec()} dropped, {ratio}x vs bf16", evict=method,
+                  family=f"patchkv+evict{share}{by.replace('-', '+')}")
 
 
 def _salient(ratio: int, scorer: type) -> Config:
@@ -157,6 +159,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_evicting(ratio) for ratio in (16, 32)),
     _evicting(16, 0.2),
     _evicting(32, EVICT32_FRACTION),
+    # dropped by the attention the context's last queries pay (SnapKV's observation): for what follows the context, not
+    # a needle (scratch runs, float32, ppl_after_* and needle_text samples 0-4: the novelty ones lose perplexity, these
+    # needles)
+    *(_evicting(ratio, fraction, "attention_mass") for ratio, fraction in ((16, 0.3), (32, EVICT32_FRACTION))),
 )}
 
 
