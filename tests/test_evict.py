@@ -126,6 +126,24 @@ def test_dropped_tokens_are_the_lowest_scored_averaged_over_the_heads():
             assert torch.equal(dropped(cache)[i][:, 2:37].nonzero()[:, 1], lowest[0])
 
 
+def test_attention_mass_drops_what_the_last_queries_attend_to_least():
+    """`Evict(scorer="attention_mass")`: the unpatched model's own attention weights (eager), renormalised over the
+    tokens leaving the window and averaged over the last 32 queries, each KV head's query heads and then the KV heads,
+    rank the tokens dropped (the lowest)."""
+    model = make_model("llama", "eager")
+    art = patchkv.calibrate(model, calibration_ids(), mode="pre_rope", rank=8, progress=False)
+    ids = calibration_ids(1, 40, seed=4)
+    weights = model(ids, output_attentions=True).attentions  # per layer [1, heads, 40, 40]
+    method = patchkv.Evict(0.25, "attention_mass", block=8)
+    with patchkv.patched(model, art, [EXACT, patchkv.Quantized(20), method]):
+        cache = model(ids, use_cache=True).cache
+    for i, w in enumerate(weights):
+        seen = w[0, :, -32:, 2:37]  # the last 32 queries on the 35 tokens leaving the window
+        score = (seen / seen.sum(-1, keepdim=True)).view(2, 2, 32, 35).mean((1, 2)).mean(0)  # [35]
+        lowest = score.sort(stable=True).indices[:8].sort().values
+        assert torch.equal(dropped(cache)[i][0, 2:37].nonzero()[:, 0], lowest)
+
+
 def test_decode_steps_read_the_held_tokens_as_the_dense_path_does(family, mode, monkeypatch):
     """With codes (lossy) and left padding: a decode step over the held tokens (the mask's columns gathered) gives
     the logits of the model's attention function over the dense operands."""
