@@ -22,8 +22,9 @@ These are the stored names (`patchkv.cache_file` writes them): `latent_*` hold t
 Unused regions are zero-sized, so there is one layout and one code path. A plan with `NearCodes` keeps the last
 `near_tokens` tokens to leave the window in the near region, coded by the layer's near codecs at a higher rate;
 older ones move on into the middle, coded again at its rate (decoded, then encoded), `near_block` or more at a
-time. A plan with `Evict` drops the tokens its score ranks lowest as they leave the window, before they are coded;
-each full-attention layer keeps a bitmap over the tokens that have left its window (bit `i` of byte `i // 8`, low bit
+time. A plan with `Evict` drops the tokens its score ranks lowest as they leave the window, before they are coded
+(those leaving in groups under its `block`, decode steps, are coded and ranked from their codes once `block` have
+gathered: `pending` counts them); each full-attention layer keeps a bitmap over the tokens that have left its window (bit `i` of byte `i // 8`, low bit
 first, set where the token is held), from which the held coded tokens' true positions and mask columns are read
 (`Visible.columns`). A plan with a `Salience` method keeps, per KV head, the coded tokens (middle and near) it scores highest exact
 as well (scored as they leave the window, the best `capacity(coded)` so far, indexed in position order over the middle
@@ -70,6 +71,7 @@ from .compat import init_cache_layer
 from .errors import PatchKVError
 from .methods import Evict, Observation, Salience
 from .nbytes import storage_nbytes
+from .key_space import rebuild
 from .operands import dense, unpatched
 from .patch import LayerPatch
 from .visible import Visible
@@ -147,6 +149,7 @@ class LatentLayer(CacheLayerMixin):
         self.tensors: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # the middle's storage, `tensors` its first tokens
         self.cumulative_length = 0
+        self.pending = 0  # `Evict`: the last tokens to leave the window, coded as they left and not yet ranked
         self.record_past = False
         self.device: torch.device | None = None
 
@@ -239,29 +242,87 @@ class LatentLayer(CacheLayerMixin):
                 self._keep_salient(*exact, stored, start, observed)
         if self.near_tokens:
             self._encode_near(exact, stored)
-            return
-        for kind, encoded in zip(("keys", "values"), stored):
-            self._grow(f"latent_{kind}", encoded)
+        else:
+            for kind, encoded in zip(("keys", "values"), stored):
+                self._grow(f"latent_{kind}", encoded)
+        if self.evict is not None and self.pending >= self.evict.block:
+            with torch.profiler.record_function("patchkv::evict"):
+                self._evict_pending(observed)
 
     def _evict(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None, passed: int,
                observed: Observation | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Tokens leaving the window after `passed` others have, exact keys and values `[batch, kv_heads, n,
-        head_dim]` and their middle codes `[batch, 1, n, width]` (or None): the `Evict` method's lowest ranked go
-        (the same number from each sequence of the batch, and from `observed`), the bitmap records which stay;
+        head_dim]` and their middle codes `[batch, 1, n, width]` (or None): at least `block` of them, the `Evict`
+        method's lowest ranked go (the same number from each sequence of the batch, and from `observed`); fewer all
+        stay, pending (`_evict_pending` ranks them once `block` have gathered). The bitmap records which stay;
         returns those that stay, in position order."""
         batch, _, n, _ = exact[0].shape
         drop = self.evict.dropped(n)
         held = torch.ones(batch, n, dtype=torch.bool, device=exact[0].device)
+        # a group of `block` is ranked on its own; tokens pending before it stay (they are no longer the newest coded)
+        self.pending = 0 if n >= self.evict.block else self.pending + n
         if drop:
-            score = self.evict.rank(self.patch, *exact, stored and tuple(stored), observed)  # [batch, n]
-            held.scatter_(1, score.sort(dim=1, stable=True).indices[:, :drop], False)
-            index = held.nonzero()[:, 1].view(batch, n - drop)
+            held, index = _lowest_gone(self.evict.rank(self.patch, *exact, stored and tuple(stored), observed), drop)
             exact = [_take(x, index) for x in exact]
             stored = None if stored is None else [_take(x, index) for x in stored]
             if observed is not None and observed.keys is not None:
                 observed.keys, observed.positions = _take(observed.keys, index), observed.positions.gather(1, index)
         self.tensors[KEPT] = _append_bits(self.tensors[KEPT], passed, held)
         return exact, stored
+
+    def _evict_pending(self, observed: Observation | None) -> None:
+        """`block` or more tokens have left the window in smaller groups (decode steps, short chunks), each coded as
+        it left: the `Evict` method ranks them together from their codes (keys and values rebuilt in cache space; with
+        near codes, those of them still in the near region) and its lowest go, as they would have from a group that
+        left at once; their rows, bits and salient copies go with them. A score that reads how a token is coded
+        (`CodeError`) needs it exact: those tokens all stay."""
+        t, lp = self.tensors, self.patch
+        region, codecs = ("near", (lp.near_keys, lp.near_values)) if self.near_tokens else \
+            ("latent", (lp.keys, lp.values))
+        n = min(self.pending, t[f"{region}_keys"].shape[2])
+        self.pending = 0
+        drop = self.evict.dropped(n)
+        if not drop or self.evict.reads_codes:
+            return
+        dtype = t["sink_keys"].dtype
+        exact = [rebuild(codec, t[f"{region}_{kind}"][:, 0, -n:], dtype)
+                 for codec, kind in zip(codecs, ("keys", "values"))]
+        passed, start = self.passed, self.coded_len - n
+        if observed is not None and self.evict.observes:  # the pending tokens, as this forward's queries read them
+            positions = self.track.positions[:, self.sink_len + passed - n:self.sink_len + passed]
+            observed.keys, observed.positions = observed.read_keys(exact[0], positions), positions
+        held, index = _lowest_gone(self.evict.rank(lp, *exact, None, observed), drop)
+        for kind in ("keys", "values"):
+            name = f"{region}_{kind}"
+            kept = _take(t[name][:, :, -n:], index)
+            if region == "latent":  # written back into the middle's buffer, which stays its prefix
+                t[name] = t[name][:, :, :-n]
+                self._grow(name, kept)
+            else:
+                t[name] = torch.cat([t[name][:, :, :-n], kept], dim=2)
+        bits = unpack_bits(t[KEPT], passed)
+        bits[:, passed - n:] = held
+        t[KEPT] = _pack_bits(bits)
+        if self.salience is not None and t["salient_keys"].shape[2]:
+            self._drop_salient_evicted(start, held)
+
+    def _drop_salient_evicted(self, start: int, held: torch.Tensor) -> None:
+        """After `_evict_pending` dropped the coded tokens at indices `start + i` where `held` `[batch, n]` is False:
+        their salient copies go (every KV head keeps as many as the one left with the fewest, its best by score, and
+        no more than the capacity of the tokens now coded), and the copies of later tokens move down to their new
+        coded index."""
+        t = self.tensors
+        index = t["salient_index"].squeeze(-1).long()  # [batch, kv_heads, s]
+        shift = torch.cat([torch.zeros_like(held[:, :1], dtype=torch.long), (~held).long().cumsum(1)], dim=1)
+        later = index >= start
+        offset = (index - start).clamp(0, held.shape[1] - 1)
+        gone = later & ~held.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, offset)
+        moved = index - torch.where(later, shift.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, offset), 0)
+        t["salient_index"] = moved.to(torch.int32).unsqueeze(-1)
+        keep = min(int((~gone).sum(-1).min()), self.salience.capacity(self.coded_len))
+        if keep < index.shape[2]:
+            score = t["salient_score"].squeeze(-1).masked_fill(gone, float("-inf"))
+            t.update(_best({name: t[name] for name in SALIENT}, score, keep))
 
     def _encode_near(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None = None) -> None:
         """The tokens leaving the window, exact keys and values `[batch, kv_heads, n, head_dim]` (and their middle
@@ -491,6 +552,7 @@ class LatentLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.tensors, self.buffers, self.cumulative_length, self.is_initialized = {}, {}, 0, False
+        self.pending = 0
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Assisted generation's hook (transformers >= 5.25 passes `recurrent_states_to_keep`, meaningless for an
@@ -548,6 +610,7 @@ class LatentLayer(CacheLayerMixin):
                                f"them ({held.tolist()}; Evict dropped different tokens from each); crop at most "
                                f"{window} tokens (the window) or one sequence at a time.")
         self.tensors[KEPT] = _pack_bits(bits[:, :passed - cut])
+        self.pending = max(0, self.pending - cut)  # the pending tokens are the last to have left, all held
         return window + int(held[0]) + (remove - window - cut)
 
     def offload(self) -> None:
@@ -760,6 +823,15 @@ def _append_bits(bitmap: torch.Tensor, n: int, bits: torch.Tensor) -> torch.Tens
     if n % 8:
         bits = torch.cat([unpack_bits(bitmap[:, :, whole:], n % 8), bits], dim=1)
     return torch.cat([bitmap[:, :, :whole], _pack_bits(bits)], dim=2)
+
+
+def _lowest_gone(score: torch.Tensor, drop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens scored `score` `[batch, n]` with the lowest `drop` of each sequence going (of equal scores the earlier):
+    which stay, bool `[batch, n]`, and their indices in order, `[batch, n - drop]`."""
+    batch, n = score.shape
+    held = torch.ones(batch, n, dtype=torch.bool, device=score.device)
+    held.scatter_(1, score.sort(dim=1, stable=True).indices[:, :drop], False)
+    return held, held.nonzero()[:, 1].view(batch, n - drop)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

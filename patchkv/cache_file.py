@@ -35,7 +35,9 @@ One safetensors file. Tensors, for each layer `i` and each region `r` of `patchk
 
 The header metadata has one entry, `"patchkv_cache"`, a JSON object: `format_version` 6; `fingerprint`, the
 patch's (artifact checksum and methods); `layers`, one object per layer with `cumulative_length` (tokens seen)
-and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes.
+and `regions`: per region its `shape`, `dtype`, `encoding`, and for "deflate" the `crc32` of the raw bytes; under
+`Evict`, `pending` (int, 0 when absent): how many of the last tokens to leave the window are coded and not yet ranked
+(they left in groups under the method's `block`; all held).
 
 `load_cache` reads tensors and JSON only (nothing is executed) and checks the whole file against the model's patch
 from its header before it reads a tensor; it raises `PatchKVError` naming what differs (what it found, what the
@@ -137,7 +139,8 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
                 code_bytes, stored = code_bytes + t.nbytes, stored + t.nbytes
             tensors[f"layers.{i}.{name}"] = t
             regions[name] = entry
-        layers.append({"cumulative_length": layer.cumulative_length, "regions": regions})
+        layers.append({"cumulative_length": layer.cumulative_length, "regions": regions,
+                       **({"pending": layer.pending} if layer.pending else {})})
     meta = {"format_version": VERSION, "fingerprint": cache.fingerprint, "layers": layers}
     path = Path(path)
     save_file(tensors, str(path), metadata={FORMAT: json.dumps(meta)})
@@ -173,8 +176,9 @@ def load_cache(model: torch.nn.Module, path: str | Path, *, device: torch.device
             held.update(no_window_scale(held["recent_keys"]))
         if "near_keys" not in held:
             held.update(no_near(layer.patch, held["sink_keys"], held["sink_values"]))
-        held.update(_kept(path, i, held, entry["cumulative_length"]))
+        held.update(_kept(path, i, held, entry["cumulative_length"], entry.get("pending", 0)))
         layer.tensors = {name: t.to(device) for name, t in held.items()}
+        layer.pending = entry.get("pending", 0)
         layer.cumulative_length, layer.device, layer.is_initialized = entry["cumulative_length"], device, True
     if "positions" in tensors:
         cache.track.positions = tensors["positions"].to(device)
@@ -344,9 +348,10 @@ def _metadata(path: Path, text: str | None) -> dict:
                            "save the cache again with this version.")
     if not isinstance(meta.get("fingerprint"), str) or not isinstance(meta.get("layers"), list) or not all(
             isinstance(e, dict) and isinstance(e.get("cumulative_length"), int) and e["cumulative_length"] >= 0
-            and isinstance(e.get("regions"), dict) for e in meta["layers"]):
+            and isinstance(e.get("regions"), dict) and type(e.get("pending", 0)) is int and e.get("pending", 0) >= 0
+            for e in meta["layers"]):
         raise PatchKVError(f"{path}: its metadata needs a string 'fingerprint' and 'layers' as objects with "
-                           "'cumulative_length' (int >= 0) and 'regions'.")
+                           "'cumulative_length' (int >= 0), 'regions' and, if any, 'pending' (int >= 0).")
     return meta
 
 
@@ -366,22 +371,22 @@ def _salient(path: Path, i: int, held: dict[str, torch.Tensor]) -> dict[str, tor
     return {name: held[name] for name in SALIENT}
 
 
-def _kept(path: Path, i: int, held: dict[str, torch.Tensor], seen: int) -> dict[str, torch.Tensor]:
+def _kept(path: Path, i: int, held: dict[str, torch.Tensor], seen: int, pending: int) -> dict[str, torch.Tensor]:
     """Layer `i`'s kept-token bitmap (its bytes checked by `_check_layout`): as many bits set in each sequence as the
-    coded tokens it holds, none past the tokens that left the window; an empty one for a file written before
-    version 6."""
-    if KEPT not in held:
-        return no_kept(held["sink_keys"])
-    bitmap = held[KEPT]
-    if not bitmap.shape[2]:
-        return {KEPT: bitmap}
+    coded tokens it holds, none past the tokens that left the window, and the last `pending` of those held; an empty
+    one (and none pending) for a file written before version 6."""
+    bitmap = held[KEPT] if KEPT in held else no_kept(held["sink_keys"])[KEPT]
     passed = seen - held["sink_keys"].shape[2] - held["recent_keys"].shape[2]
     bits = unpack_bits(bitmap, bitmap.shape[2] * 8)
     coded = held["latent_keys"].shape[2] + held["near_keys"].shape[2]
-    if bits[:, passed:].any() or bool((bits.sum(1) != coded).any()):
+    if bitmap.shape[2] and (bits[:, passed:].any() or bool((bits.sum(1) != coded).any())):
         raise _damaged(path, f"layer {i}'s bitmap marks {bits[:, :passed].sum(1).tolist()} of the {passed} tokens that "
                              f"left the window held ({int(bits[:, passed:].sum())} bits set past them), its middle and "
                              f"near regions hold {coded}")
+    last_held = pending <= min(passed, coded) and bool(bits[:, max(0, passed - pending):passed].all())
+    if pending and not (bitmap.shape[2] and last_held):
+        raise _damaged(path, f"layer {i} has {pending} tokens pending, but its bitmap does not hold the last {pending} "
+                             f"of the {passed} tokens that left the window (its middle and near regions hold {coded})")
     return {KEPT: bitmap}
 
 

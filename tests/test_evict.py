@@ -3,10 +3,13 @@
 At full rank a patched model with `Evict` computes what the unpatched model computes with each layer's dropped tokens
 masked out of every query after the prefill (`without`, a reference built on the model's own attention function),
 in every family and mode, on both attention paths (dense operands and decode steps), in every generation mode the
-cache supports; the dropped tokens are the lowest scored; the bytes held are the storage's and budgets pay for the
-bitmap; saved caches keep the bitmap and a damaged one is refused.
+cache supports; the dropped tokens are the lowest scored; tokens leaving the window one at a time are ranked once a
+block has gathered, each step then reading as the unpatched model without the tokens dropped before it; the bytes held
+are the storage's and budgets pay for the bitmap; saved caches keep the bitmap and the pending count, and a damaged one
+is refused.
 """
 
+import json
 from contextlib import contextmanager
 
 import pytest
@@ -151,9 +154,10 @@ def test_decode_steps_read_the_held_tokens_as_the_dense_path_does(family, mode, 
                  extra=(patchkv.Evict(0.3, block=8),))
 
 
-def test_chunks_under_a_block_and_decode_steps_drop_nothing():
-    """Tokens leaving the window in groups under `block` (decode steps, short chunks) are all kept; each chunk of a
-    chunked prefill of at least `block` drops its own lowest."""
+def test_chunks_under_a_block_and_decode_steps_drop_once_a_block_has_gathered():
+    """Tokens leaving the window in groups under `block` (decode steps, short chunks) are coded as they leave and
+    ranked together once `block` have gathered; each chunk of a chunked prefill of at least `block` drops its own
+    lowest."""
     model, art = full_rank()
     ids = calibration_ids(1, 45, seed=5)
     with patchkv.patched(model, art, [EXACT, patchkv.Evict(0.25, block=8)]):
@@ -162,12 +166,88 @@ def test_chunks_under_a_block_and_decode_steps_drop_nothing():
             model(ids[:, start:start + 5], cache=small, use_cache=True)
         for start in range(0, 45, 15):
             model(ids[:, start:start + 15], cache=big, use_cache=True)
-        out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-    assert all(layer.coded_len == layer.passed == 40 for layer in small.layers)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    # chunks of 5: every second chunk brings the gathered tokens to 10, of which 2 go
+    assert all(layer.passed == 40 and layer.coded_len == 32 and layer.pending == 0 for layer in small.layers)
     # chunk 1: 10 leave (2 dropped), chunks 2 and 3: 15 each (3 dropped)
     assert all(layer.passed == 40 and layer.coded_len == 32 for layer in big.layers)
-    # the prompt's 40 passed tokens lose 10; the 5 generated tokens that left the window one at a time stay
-    assert all(layer.passed == 45 and layer.coded_len == 35 for layer in out.past_key_values.layers)
+    # the prompt's 40 passed tokens lose 10; of the 11 generated tokens that left the window one at a time, the
+    # first 8 were ranked together (2 dropped), the last 3 are pending
+    assert all(layer.passed == 51 and layer.coded_len == 39 and layer.pending == 3
+               for layer in out.past_key_values.layers)
+
+
+@pytest.mark.parametrize("scorer", ["novelty", "attention_mass"])
+def test_decode_steps_drop_the_lowest_of_a_gathered_block_and_read_as_the_unpatched_model_without_them(mode, scorer):
+    """A prefill, then one token per forward: every `block` tokens to leave the window are ranked from their codes
+    and the lowest go, and each step reads what the unpatched model reads without the tokens dropped before it (at
+    full rank the codes are exact). In post-RoPE mode (cache space is what the unpatched model caches) the dropped are
+    the lowest by the score of the gathered tokens' keys and values, averaged over the KV heads."""
+    model, art = full_rank(mode=mode)
+    ids = calibration_ids(1, 40, seed=6)
+    method = patchkv.Evict(0.25, scorer, block=8)
+    logits, gone = [], []
+    with patchkv.patched(model, art, [EXACT, method]):
+        cache = patchkv.LatentCache(model)
+        model(ids[:, :20], cache=cache, use_cache=True)  # 15 leave the window: 3 dropped
+        for i in range(20, 40):
+            gone.append(dropped(cache))
+            logits.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
+    # after the prefill, 20 tokens left one at a time: twice 8 ranked (2 dropped each), 4 pending
+    assert all(layer.passed == 35 and layer.coded_len == 12 + 20 - 4 and layer.pending == 4 for layer in cache.layers)
+    past = model(ids[:, :20], use_cache=True).past_key_values
+    for step, i in enumerate(range(20, 40)):
+        with without(gone[step]):
+            want = model(ids[:, i:i + 1], past_key_values=past, use_cache=True).logits
+        assert (logits[step] - want).abs().max() < TOL
+    if mode == "post_rope" and scorer == "novelty":
+        plain = model(ids, use_cache=True).past_key_values
+        first = dropped(cache)
+        for i, layer in enumerate(cache.layers):
+            gathered = slice(2 + 15, 2 + 15 + 8)  # the first 8 to leave one at a time
+            keys, values = plain.layers[i].keys[:, :, gathered], plain.layers[i].values[:, :, gathered]
+            score = method.score_method.score(layer.patch, keys, values, None).mean(1)
+            lowest = score.sort(dim=1, stable=True).indices[:, :2].sort(1).values
+            assert torch.equal(first[i][:, gathered].nonzero()[:, 1], lowest[0])
+
+
+def test_decode_drops_beside_near_codes_and_salient_copies_and_through_save_load(tmp_path):
+    """Decode-time drops beside `NearCodes` and a salience method: the gathered tokens are ranked in the near region,
+    the salient copies of those dropped go and the others follow their tokens' new coded index, so each step reads
+    within 0.01 of the unpatched model without the tokens dropped before it (8 bits a component); a cache saved with
+    tokens pending and loaded drops the same tokens at the same step as the cache it was saved from; a file whose
+    pending tokens the bitmap does not hold is refused."""
+    model, art = full_rank()
+    ids, mask = padded(seq=60, seed=9)
+    methods = [EXACT, patchkv.Quantized(128), patchkv.NearCodes(tokens=12), patchkv.Evict(0.3, block=8),
+               patchkv.KeyNorm(0.25)]
+    logits, gone = [], []
+    with patchkv.patched(model, art, methods):
+        cache = model(ids[:, :40], attention_mask=mask[:, :40], use_cache=True).cache
+        for i in range(40, 60):
+            if i == 45:
+                saved = patchkv.save_cache(cache, tmp_path / "c.safetensors")
+            gone.append(dropped(cache))
+            logits.append(model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache, use_cache=True).logits)
+            for layer in cache.layers:
+                assert bool((layer.tensors["salient_index"] < layer.coded_len).all())
+        assert all(layer.coded_len == 35 - int(0.3 * 35) + 20 - 2 * 2 and layer.pending == 4 for layer in cache.layers)
+        restored = patchkv.load_cache(model, saved.path)
+        assert all(layer.pending == 5 for layer in restored.layers)
+        for i in range(45, 60):
+            again = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=restored, use_cache=True).logits
+            assert torch.equal(again, logits[i - 40])
+        with safe_open(str(saved.path), framework="pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()[FORMAT])
+        meta["layers"][0]["pending"] = 40  # more than the layer has coded
+        save_file(tensors, str(tmp_path / "bad.safetensors"), metadata={FORMAT: json.dumps(meta)})
+        with pytest.raises(patchkv.PatchKVError, match="layer 0 has 40 tokens pending"):
+            patchkv.load_cache(model, tmp_path / "bad.safetensors")
+    past = model(ids[:, :40], attention_mask=mask[:, :40], use_cache=True).past_key_values
+    for step, i in enumerate(range(40, 60)):
+        with without(gone[step]):
+            want = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=past, use_cache=True).logits
+        assert (logits[step] - want).abs().max() < 0.01
 
 
 GENERATION = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, top_k=10, temperature=0.8),
@@ -202,23 +282,24 @@ def test_generation_modes_equal_the_unpatched_model_without_the_dropped_tokens(m
 def test_assisted_decoding_and_crops_into_the_coded_tokens(mode):
     """Assisted and prompt-lookup decoding verify drafts and crop the cache back: the sequences of the unpatched
     model's own assisted decoding without the dropped tokens (the first forward holds the prompt and a draft, ranked
-    together, so other tokens may go than under plain decoding). A crop past the window cuts the bitmap with the coded
-    tokens, and the next forward reads what the unpatched model reads over the tokens left, without the dropped
-    ones."""
+    together, so other tokens may go than under plain decoding; a block of 16 gathers no later group to rank). A crop
+    past the window cuts the bitmap and the pending count with the coded tokens, and the next forward reads what the
+    unpatched model reads over the tokens left, without the dropped ones."""
     model, art = full_rank(mode=mode)
     ids = calibration_ids(1, 30, seed=22)
     kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     assistant = make_model("llama", attn="eager", seed=3)  # eager: untouched by `without`, which masks sdpa
     runs = {"assisted": dict(assistant_model=assistant), "lookup": dict(prompt_lookup_num_tokens=3)}
-    with patchkv.patched(model, art, [EXACT, patchkv.Evict(0.3, block=8)]):
+    with patchkv.patched(model, art, [EXACT, patchkv.Evict(0.3, block=16)]):
         patched = {name: model.generate(ids, **extra, **kwargs) for name, extra in runs.items()}
         cache = patchkv.LatentCache(model)
         model(ids, cache=cache, use_cache=True)  # 25 tokens leave the window, 7 dropped
-        model(ids[:, :3], cache=cache, use_cache=True)  # 3 more leave one forward later, kept
+        model(ids[:, :3], cache=cache, use_cache=True)  # 3 more leave one forward later, pending
+        assert all(layer.pending == 3 for layer in cache.layers)
         before = [unpack_bits(layer.tensors[KEPT], 28) for layer in cache.layers]
         cache.crop(-8)  # the window's 3 and 5 coded: the bitmap cut after 23 tokens
         for layer, bits in zip(cache.layers, before):
-            assert layer.cumulative_length == 25 and layer.passed == 23 and layer.window_len == 0
+            assert layer.cumulative_length == 25 and layer.passed == 23 and layer.window_len == 0 and not layer.pending
             assert torch.equal(unpack_bits(layer.tensors[KEPT], 23), bits[:, :23])
             assert layer.coded_len == int(bits[:, :23].sum()) < 23
         nxt = calibration_ids(1, 2, seed=23)

@@ -18,8 +18,11 @@ Tokens are ranked as they leave the window, before they are coded: those leaving
 (a prefill, a chunk of a chunked prefill), by `scorer` (a `Salience` method's score, averaged over the layer's KV
 heads: the same tokens go from every head, so the codes stay one row per token), and the lowest `fraction` of them
 (rounded down; of equal scores the earlier) is dropped. Fewer leaving together (a decode step's one token, chunks
-under `block`) are all kept: one token has nothing to be ranked against, so a long generation's cache tends toward
-the codes' rate (kvpress's presses likewise compress the prefill). Sliding-window layers drop none. Each full-attention
+under `block`) are coded as they leave, and once `block` of them have gathered they are ranked together from their
+codes (keys and values rebuilt; with near codes, those still in the near region) and the lowest `fraction` go, so a
+long generation holds the budget's rate (up to `block - 1` tokens at a time wait to be ranked; a scorer that reads
+how a token is coded, `code_error`, cannot rank them from their codes and keeps them). Sliding-window layers drop
+none. Each full-attention
 layer keeps a bitmap of the tokens it kept, one bit per token that left its window (`patchkv.cache`), from which
 attention reads the kept tokens' true positions and mask columns. A budget pays for the kept tokens' codes and the
 bitmap ("16x+evict": the codes get the bytes the dropped tokens free, `patchkv.budgets`).
