@@ -24,6 +24,7 @@ VERBS = {
     "throughput": "bench_throughput", "profile": "profile_paths", "lossless": "bench_lossless",
     "salience": "bench_salience", "memory": "bench_memory", "blocks": "bench_blocks", "spill": "bench_spill",
     "scaling": "bench_scaling", "gemm": "bench_gemm", "calibration-cost": "bench_calibration",
+    "generation-bytes": "bench_generation_bytes",
     # research: one question each, its CSV in evals/results
     "gemma-loss": "research_gemma_loss", "near-tokens": "research_near", "sliding": "research_sliding",
     "gemma-effect": "research_gemma_effect", "quantizer": "research_quantizer", "scales-vq": "research_scales_vq",
