@@ -72,7 +72,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = parser("generation-bytes", __doc__, threads=2, name="generation_bytes")
+    p = parser("generation-bytes", __doc__, threads=2, name="generation_bytes", table=True)
     p.add_argument("--configs", default="16x,16x-evict", help="suite configurations, comma-separated")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens")
     p.add_argument("--new", type=int, default=1024, help="tokens generated")
