@@ -6,7 +6,8 @@ import torch
 from conftest import calibration_ids, make_model
 
 import patchkv
-from evals.bench_generation_bytes import dropped_while_decoding, generate_rows, table
+from evals.bench_generation_bytes import FIELDS, dropped_while_decoding, generate_rows, main, table
+from evals.suite import write_csv
 from patchkv.nbytes import cache_nbytes
 
 
@@ -32,3 +33,11 @@ def test_rows_count_the_cache_and_what_ranking_decode_tokens_saved():
         plain = generate_rows(model, ids, patchkv.LatentCache(model), new=5, every=5, name="plain", unpatched=1000.0)
     assert plain[0]["all_kept_bytes_per_token"] == ""
     assert "| tiny | 20 |" in table(rows) and "| plain | 5 |" in table(plain)
+
+
+def test_table_reads_the_csv(tmp_path, capsys):
+    rows = [{"config": "16x-evict", "prompt": 4096, "generated": 128, "kv_bytes_per_token": 1431.5,
+             "compression_vs_bf16": 16.1, "all_kept_bytes_per_token": 1450.25}]
+    write_csv(rows, tmp_path / "gb.csv", FIELDS)
+    main(["--table", "--out", str(tmp_path), "--name", "gb"])
+    assert "| 16x-evict | 128 | 1,432 | 16.10x | 1,450 |" in capsys.readouterr().out
