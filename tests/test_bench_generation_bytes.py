@@ -2,7 +2,6 @@
 cache's own count over the tokens held, and with `Evict` the counterfactual of keeping every decode token adds back
 exactly the codes and bits of the tokens dropped after the prompt."""
 
-import torch
 from conftest import calibration_ids, make_model
 
 import patchkv
