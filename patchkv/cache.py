@@ -24,10 +24,10 @@ Unused regions are zero-sized, so there is one layout and one code path. A plan 
 older ones move on into the middle, coded again at its rate (decoded, then encoded), `near_block` or more at a
 time. A plan with `Evict` drops the tokens its score ranks lowest as they leave the window, before they are coded
 (those leaving in groups under its `block`, decode steps, are coded and ranked from their codes once `block` have
-gathered: `pending` counts them); each full-attention layer keeps a bitmap over the tokens that have left its window (bit `i` of byte `i // 8`, low bit
-first, set where the token is held), from which the held coded tokens' true positions and mask columns are read
-(`Visible.columns`). A plan with a `Salience` method keeps, per KV head, the coded tokens (middle and near) it scores highest exact
-as well (scored as they leave the window, the best `capacity(coded)` so far, indexed in position order over the middle
+gathered: `pending` counts them); each full-attention layer keeps a bitmap over the tokens that have left its window
+(bit `i` of byte `i // 8`, low bit first, set where the token is held), from which the held coded tokens' true
+positions and mask columns are read (`Visible.columns`). A plan with a `Salience` method keeps, per KV head, the coded
+tokens (middle and near) it scores highest exact as well (scored as they leave the window, the best `capacity(coded)` so far, indexed in position order over the middle
 then the near tokens, an index a token keeps as it moves from one to the other); attention reads those in place of
 their codes (`patchkv.operands.dense`, and the decode step's exact tokens). A forward's own tokens are read exact, as
 transformers' `QuantizedCache` does, and so is the window of `window` tokens before them.
@@ -69,9 +69,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .compat import init_cache_layer
 from .errors import PatchKVError
+from .key_space import rebuild
 from .methods import Evict, Observation, Salience
 from .nbytes import storage_nbytes
-from .key_space import rebuild
 from .operands import dense, unpatched
 from .patch import LayerPatch
 from .visible import Visible
