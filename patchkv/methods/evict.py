@@ -22,9 +22,8 @@ under `block`) are coded as they leave, and once `block` of them have gathered t
 codes (keys and values rebuilt; with near codes, those still in the near region) and the lowest `fraction` go, so a
 long generation holds the budget's rate (up to `block - 1` tokens at a time wait to be ranked; a scorer that reads
 how a token is coded, `code_error`, cannot rank them from their codes and keeps them). Sliding-window layers drop
-none. Each full-attention
-layer keeps a bitmap of the tokens it kept, one bit per token that left its window (`patchkv.cache`), from which
-attention reads the kept tokens' true positions and mask columns. A budget pays for the kept tokens' codes and the
+none. Each full-attention layer keeps a bitmap of the tokens it kept, one bit per token that left its window
+(`patchkv.cache`), from which attention reads the kept tokens' true positions and mask columns. A budget pays for the kept tokens' codes and the
 bitmap ("16x+evict": the codes get the bytes the dropped tokens free, `patchkv.budgets`).
 """
 
