@@ -319,10 +319,7 @@ class LatentLayer(CacheLayerMixin):
         gone = later & ~held.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, offset)
         moved = index - torch.where(later, shift.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, offset), 0)
         t["salient_index"] = moved.to(torch.int32).unsqueeze(-1)
-        keep = min(int((~gone).sum(-1).min()), self.salience.capacity(self.coded_len))
-        if keep < index.shape[2]:
-            score = t["salient_score"].squeeze(-1).masked_fill(gone, float("-inf"))
-            t.update(_best({name: t[name] for name in SALIENT}, score, keep))
+        self._keep_valid_copies(~gone, self.salience.capacity(self.coded_len))
 
     def _encode_near(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None = None) -> None:
         """The tokens leaving the window, exact keys and values `[batch, kv_heads, n, head_dim]` (and their middle
@@ -394,12 +391,16 @@ class LatentLayer(CacheLayerMixin):
     def _drop_salient_past(self, coded: int) -> None:
         """After a crop: exact tokens whose coded index is no longer held go. Every KV head keeps as many as the one
         that kept the fewest (its best by score); the others are read from their codes again."""
+        self._keep_valid_copies(self.tensors["salient_index"].squeeze(-1) < coded)
+
+    def _keep_valid_copies(self, valid: torch.Tensor, most: int | None = None) -> None:
+        """Salient copies where `valid` `[batch, kv_heads, s]` is False go: every KV head keeps as many as the one with
+        the fewest valid (its best by score), and at most `most`."""
         t = self.tensors
-        valid = t["salient_index"].squeeze(-1) < coded
-        if bool(valid.all()):
-            return
-        score = t["salient_score"].squeeze(-1).masked_fill(~valid, float("-inf"))
-        t.update(_best({name: t[name] for name in SALIENT}, score, int(valid.sum(-1).min())))
+        keep = int(valid.sum(-1).min()) if most is None else min(int(valid.sum(-1).min()), most)
+        if keep < valid.shape[-1]:
+            score = t["salient_score"].squeeze(-1).masked_fill(~valid, float("-inf"))
+            t.update(_best({name: t[name] for name in SALIENT}, score, keep))
 
     def _keep_last(self, n: int) -> None:
         """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, the middle
