@@ -8,8 +8,9 @@ prose documents (`profile_paths.prose_ids`) into its own cache, then greedy-deco
 time; every `--every` steps a row: the tokens held so far, the cache's bytes per token by its own count
 (`patchkv.nbytes.cache_nbytes`, positions included) and the compression against the unpatched bf16 cache. A
 configuration with `Evict` also gets `all_kept_bytes_per_token`: what the cache would hold had every token that left
-the window one decode step at a time been kept (its bytes plus the dropped decode tokens' codes and bits, counted
-from the layers' bitmaps): the cost of ranking decode steps' tokens, measured in the same run.
+the window one decode step at a time been kept (its bytes plus the dropped decode tokens' middle codes, counted from
+the layers' bitmaps, which hold a bit for every token either way): what ranking decode steps' tokens saves, measured
+in the same run.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ FIELDS = ("config", "prompt", "generated", "kv_bytes_per_token", "compression_vs
 
 
 def dropped_while_decoding(cache: LatentCache, prompt_passed: list[int]) -> int:
-    """Bytes of the codes and bits of the tokens the cache's layers dropped after the first `prompt_passed[i]` of
-    layer i's tokens left its window (those that left one decode step at a time), batch 1."""
+    """Bytes of the middle codes of the tokens the cache's layers dropped after the first `prompt_passed[i]` of layer
+    i's tokens left its window (those that left one decode step at a time), batch 1."""
     total = 0
     for layer, start in zip(cache.layers, prompt_passed):
         if layer.evict is None:

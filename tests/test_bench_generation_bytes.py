@@ -1,6 +1,6 @@
 """`python -m evals generation-bytes` (evals/bench_generation_bytes.py) on a tiny model: the bytes per token are the
 cache's own count over the tokens held, and with `Evict` the counterfactual of keeping every decode token adds back
-exactly the codes and bits of the tokens dropped after the prompt."""
+exactly the codes of the tokens dropped after the prompt (the bitmap holds their bits either way)."""
 
 from conftest import calibration_ids, make_model
 

@@ -23,8 +23,8 @@ codes (keys and values rebuilt; with near codes, those still in the near region)
 long generation holds the budget's rate (up to `block - 1` tokens at a time wait to be ranked; a scorer that reads
 how a token is coded, `code_error`, cannot rank them from their codes and keeps them). Sliding-window layers drop
 none. Each full-attention layer keeps a bitmap of the tokens it kept, one bit per token that left its window
-(`patchkv.cache`), from which attention reads the kept tokens' true positions and mask columns. A budget pays for the kept tokens' codes and the
-bitmap ("16x+evict": the codes get the bytes the dropped tokens free, `patchkv.budgets`).
+(`patchkv.cache`), from which attention reads the kept tokens' true positions and mask columns. A budget pays for the
+kept tokens' codes and the bitmap ("16x+evict": the codes get the bytes the dropped tokens free, `patchkv.budgets`).
 """
 
 from __future__ import annotations
