@@ -81,6 +81,18 @@ def energy_fraction(text: str) -> float:
     return value
 
 
+def step_grid(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated step multipliers > 0, e.g. 0.5,0.75,1,1.25 (sorted, repeats dropped)."""
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated step multipliers > 0, e.g. 0.5,0.75,1,1.25, got "
+                                         f"{text!r}")
+    return tuple(sorted(set(values)))
+
+
 def rank_list(text: str) -> list[int]:
     """argparse type: comma-separated positive integers, e.g. 8,16,32."""
     parts = [t.strip() for t in text.split(",")]
@@ -150,7 +162,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from . import calibrate
     from .distributed import destroy, init_from_env, is_main_process
     from .retrieval import source_text
-    from .step_scales import fit_step_scales
+    from .step_scales import GRID, fit_step_scales
     from .texts import read_texts
 
     target = _check_out_file(args.out, args.force)  # before the (slow) calibration: a bad --out would lose it
@@ -178,14 +190,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                              source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
         artifact.calibration["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         if is_main_process():
-            rows = _held_out_rows(texts, tokenizer, args.step_tokens)
+            rows, grid = _held_out_rows(texts, tokenizer, args.step_tokens), args.step_grid or GRID
             for budget in args.budgets:
                 q = budget.quantized(artifact, args.context)
                 print(f"fitting step scales for {budget} ({q.bits} bits per head, {q.pool} pool, at {args.context} "
                       "tokens)", flush=True)
                 artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool, context=q.context,
                                            sink_tokens=args.sink_tokens, window=args.window, chunk=args.step_chunk,
-                                           passes=2, top=_step_top(args.step_top, model))
+                                           grid=grid, passes=2, top=_step_top(args.step_top, model))
+                note = _grid_edge_note(budget, artifact, q.bits, q.pool, grid)
+                if note:
+                    print(note, flush=True)
             try:
                 file = artifact.save(target)
             except (OSError, SafetensorError) as e:
@@ -198,6 +213,22 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     finally:
         if created:
             destroy()
+
+
+def _grid_edge_note(budget, artifact, bits: int, pool: str, grid: tuple[float, ...]) -> str | None:
+    """One line when the step scales just fitted for `budget` sit at an edge of `grid` (`grid_edges`): the loss may
+    fall further past it, and a wider --step-grid to try."""
+    fit = next((f for f in reversed(artifact.calibration.get("step_scale_fits", []))
+                if (f.get("bits"), f.get("pool")) == (bits, pool)), {})
+    if not fit.get("edges"):
+        return None
+    wider = set(grid)
+    for edge in set(fit["edges"].values()):
+        end = min(grid) if edge == "lowest" else max(grid)
+        wider |= {round(end * f, 4) for f in ((0.5, 0.625, 0.75, 0.875) if edge == "lowest" else (1.25, 1.5, 2.0))}
+    found = ", ".join(f"{kind} {fit[kind]:g} ({edge})" for kind, edge in fit["edges"].items())
+    return (f"note: {budget}'s step scales sit at the edge of the grid tried ({found}); the loss may fall further "
+            f"past it: --step-grid {','.join(f'{v:g}' for v in sorted(wider))} searches wider")
 
 
 def _step_top(flag: int | None, model) -> int | None:
@@ -423,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step-chunk", type=positive_int, default=64,
                    help="tokens per forward while fitting step scales (as `patchkv report` scores; 16 fits closer "
                         "to token-by-token decoding, 4x slower)")
+    c.add_argument("--step-grid", type=step_grid, default=None,
+                   help="step multipliers tried for keys and for values, comma-separated (default: those of "
+                        "patchkv.step_scales.GRID, 1 to 1.75; a fit at either end of the grid says so)")
     c.add_argument("--step-top", type=non_negative_int, default=None,
                    help="the step-scale loss reads the targets and each position's K likeliest tokens under the "
                         "unpatched model; 0: the whole vocabulary (default: 64 for a vocabulary of more than 65,536 "

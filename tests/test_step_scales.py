@@ -16,7 +16,7 @@ from patchkv.allocation import bit_allocation, step_scales_for
 from patchkv.artifact import Artifact
 from patchkv.errors import ArtifactError, InvalidArtifactError, PatchKVError
 from patchkv.quantize import GAUSSIAN_STEP
-from patchkv.step_scales import loss_vocabulary, restricted_head, token_loss, with_step_scales
+from patchkv.step_scales import grid_edges, loss_vocabulary, restricted_head, token_loss, with_step_scales
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,15 @@ def test_fit_takes_the_scales_of_lowest_loss_and_records_them(model, fitted):
         logprobs = fed_in_chunks(model, ids, fit["chunk"]).log_softmax(-1)[:, :-1]
     nll = -logprobs.gather(-1, ids[:, 1:, None]).mean().item()
     assert nll == pytest.approx(tried[best], abs=1e-5)
+
+
+def test_a_fit_records_its_grid_and_the_scales_at_either_end_of_it(fitted):
+    fit = fitted.calibration["step_scale_fits"][-1]
+    assert fit["grid"] == [1.0, 3.0]  # two multipliers: whichever wins sits at an end
+    assert fit["edges"] == {kind: "lowest" if fit[kind] == 1.0 else "highest" for kind in ("keys", "values")}
+    assert grid_edges((1.25, 0.5), (0.5, 1.0, 1.25)) == {"keys": "highest", "values": "lowest"}
+    assert grid_edges((1.0, 1.25), (1.0, 1.25, 1.5)) == {"keys": "lowest"}
+    assert grid_edges((1.25, 1.25), (1.0, 1.25, 1.5)) == {} and grid_edges((1.0, 1.0), (1.0,)) == {}
 
 
 def test_a_restricted_loss_reads_the_targets_and_the_unpatched_top_tokens(model, weighted):
