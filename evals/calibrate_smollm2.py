@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import patchkv
 from patchkv.budgets import Budget
-from patchkv.cli import budget_list
+from patchkv.cli import budget_list, step_grid
 from patchkv.corpus import shakespeare_train
 from patchkv.step_scales import fit_step_scales
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-budgets", type=budget_list, default="8x,16x,32x",
                     help="budgets the step scales are fitted for, one set each")
     ap.add_argument("--step-context", type=int, default=4096, help="the context a ratio is met at")
-    ap.add_argument("--step-grid", type=lambda t: tuple(float(x) for x in t.split(",")),
+    ap.add_argument("--step-grid", type=step_grid,
                     default=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0), help="step multipliers tried")
     ap.add_argument("--step-rows", type=int, default=2)
     ap.add_argument("--step-seq", type=int, default=2048)

@@ -190,15 +190,15 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                              source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
         artifact.calibration["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         if is_main_process():
-            rows, grid = _held_out_rows(texts, tokenizer, args.step_tokens), args.step_grid or GRID
+            rows = _held_out_rows(texts, tokenizer, args.step_tokens)
             for budget in args.budgets:
                 q = budget.quantized(artifact, args.context)
                 print(f"fitting step scales for {budget} ({q.bits} bits per head, {q.pool} pool, at {args.context} "
                       "tokens)", flush=True)
                 artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool, context=q.context,
                                            sink_tokens=args.sink_tokens, window=args.window, chunk=args.step_chunk,
-                                           grid=grid, passes=2, top=_step_top(args.step_top, model))
-                note = _grid_edge_note(budget, artifact, q.bits, q.pool, grid)
+                                           grid=args.step_grid or GRID, passes=2, top=_step_top(args.step_top, model))
+                note = _grid_edge_note(budget, artifact, q.bits, q.pool)
                 if note:
                     print(note, flush=True)
             try:
@@ -215,13 +215,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             destroy()
 
 
-def _grid_edge_note(budget, artifact, bits: int, pool: str, grid: tuple[float, ...]) -> str | None:
-    """One line when the step scales just fitted for `budget` sit at an edge of `grid` (`grid_edges`): the loss may
-    fall further past it, and a wider --step-grid to try."""
+def _grid_edge_note(budget, artifact, bits: int, pool: str) -> str | None:
+    """One line when the step scales just fitted for `budget` sit at an edge of the grid their fit records
+    (`grid_edges`): the loss may fall further past it, and a wider --step-grid to try."""
     fit = next((f for f in reversed(artifact.calibration.get("step_scale_fits", []))
                 if (f.get("bits"), f.get("pool")) == (bits, pool)), {})
     if not fit.get("edges"):
         return None
+    grid = fit["grid"]
     wider = set(grid)
     for edge in set(fit["edges"].values()):
         end = min(grid) if edge == "lowest" else max(grid)

@@ -259,7 +259,7 @@ def test_step_grid_reaches_the_fit_and_a_fit_at_its_edge_says_so(tmp_path, capsy
         out = copy.deepcopy(artifact)
         edges = patchkv.step_scales.grid_edges((grid[0], grid[1]), grid)
         out.calibration["step_scale_fits"] = [{"bits": bits, "pool": pool, "keys": grid[0], "values": grid[1],
-                                               "edges": edges}]
+                                               "grid": list(grid), "edges": edges}]
         return out
 
     monkeypatch.setattr(patchkv.step_scales, "fit_step_scales", fit)
