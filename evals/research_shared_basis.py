@@ -24,10 +24,24 @@ in one forward (the keys and values to code come from a clean forward of the doc
 allocated by plain variance, not by effect weight). It compares groupings with each other under the same
 simplifications; it is not what `patchkv`'s cache measures (that keeps a 32-token window exact and allocates by
 effect weight, and its figures are in smollm2_accuracy.csv).
+
+Needles in real text, by simulation (`--needles N`, `shared_basis_needles.csv`): `needle_text` samples 0 to N-1 at
+4k, in the models' dtype (`models_dtype()`), run as the suite runs them (the context in one forward, which reads
+itself exact as patchkv's cache does, then the question and a greedy answer reading the cache), with the keys and
+values the context left in the cache past the 4 sinks and before its last 32 tokens replaced by their
+reconstructions from codes at each of `--needle-budgets`' bits per head (the suite's 4k budgets). The bits are
+allocated over every group's components, keys and values together, by effect (variance x effect weight, as the
+global pool allocates them); a group component's effect weight is u^T F u, F block-diagonal over the group's heads,
+each head's F = E diag(w) E^T from the shipped pre-RoPE artifact's eigenvectors E and effect weights w (no cross-head
+or cross-layer terms: those are not measured); steps are the Gaussian-matched ones times the artifact's step scale
+for the budget (one per kind). Grouping `shipped` is the artifact's own bases, weights and scales: the codes
+`Quantized` builds, which the simulation must reproduce (the suite's records of the same samples: `16x`, `32x`).
+Bases of the other groupings are fitted on `--fit-rows` rows of 512 tokens of the calibration mix, in the same dtype.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -37,8 +51,8 @@ from patchkv.allocation import allocate_bits_global
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
-from .suite import load_smollm2, write_csv
-from .tasks import TASKS
+from .suite import SMOLLM2, load_artifacts, load_smollm2, models_dtype, write_csv
+from .tasks import TASKS, greedy_answer, ruler_score
 from .verbs import parse, parser
 
 BUDGETS = (("4x", 249), ("8x", 119), ("16x", 55), ("32x", 23))  # bits per head at 4k, as evals/suite.py runs them
@@ -92,15 +106,17 @@ def spectra(fitted: list, test: torch.Tensor, grouping: str, head_dim: int) -> t
     return torch.cat([lam for _, lam, _ in fitted]), torch.cat(held)
 
 
-def quantized(x: torch.Tensor, fitted: list, bits: torch.Tensor, grouping: str, head_dim: int) -> torch.Tensor:
+def quantized(x: torch.Tensor, fitted: list, bits: torch.Tensor, grouping: str, head_dim: int,
+              scale: float = 1.0) -> torch.Tensor:
     """`x` `[tokens, layers, width]` with every group's coefficients coded at `bits` (concatenated over groups, as
-    `allocate_bits_global` returns them) by the Gaussian-matched midrise quantizer, reconstructed."""
+    `allocate_bits_global` returns them) by the Gaussian-matched midrise quantizer, its steps times `scale`,
+    reconstructed."""
     out, start = [], 0
     for (mean, lam, vec), part in zip(fitted, grouped(x, grouping, head_dim)):
         b = bits[start:start + lam.numel()]
         start += lam.numel()
         levels = (2.0 ** b).double()
-        step = torch.tensor([GAUSSIAN_STEP[int(v)] if v else 0.0 for v in b], dtype=torch.float64) * lam.sqrt()
+        step = torch.tensor([GAUSSIAN_STEP[int(v)] if v else 0.0 for v in b], dtype=torch.float64) * lam.sqrt() * scale
         c = (part - mean) @ vec
         index = torch.floor(c / step.clamp_min(1e-30) + levels / 2).clamp(torch.zeros_like(levels), levels - 1)
         c = torch.where(b > 0, (index + 0.5 - levels / 2) * step, torch.zeros_like(c))
@@ -138,10 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--test-rows", type=int, default=16)
     p.add_argument("--docs", type=int, default=0, help="held-out documents per domain for the simulated perplexity")
     p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--needles", type=int, default=0, help="needle_text samples for the simulated needles (only)")
+    p.add_argument("--needle-budgets", default="16x,32x", help="the budgets the needles are coded at")
+    p.add_argument("--needle-groupings", default=",".join(("shipped", *GROUPINGS)))
     args = parse(p, argv)
+    if args.needles:
+        return needles(args)
     model, tokenizer = load_smollm2(torch.float32)
-    ids = tokenizer("\n\n".join(general_mix()[:40]), add_special_tokens=False)["input_ids"]
-    rows = torch.tensor(ids[:(args.fit_rows + args.test_rows) * 512]).view(-1, 512)
+    rows = calibration_rows(tokenizer, args.fit_rows + args.test_rows)
     fit, test = cached_vectors(model, rows[:args.fit_rows]), cached_vectors(model, rows[args.fit_rows:])
     head_dim, heads = model.config.head_dim, model.config.num_key_value_heads
     mse = torch.tensor(GAUSSIAN_MSE, dtype=torch.float64)
@@ -160,6 +180,97 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(out, args.out / "shared_basis.csv")
     if args.docs:
         simulate(model, tokenizer, fitted_bases, args, args.out / "shared_basis_ppl.csv")
+
+
+def calibration_rows(tokenizer, n: int, seq: int = 512) -> torch.Tensor:
+    """`[n, seq]` token ids of the general calibration mix, its documents joined by blank lines."""
+    mix, docs = general_mix(), 40
+    while len(ids := tokenizer("\n\n".join(mix[:docs]), add_special_tokens=False)["input_ids"]) < n * seq:
+        if docs >= len(mix):
+            raise SystemExit(f"shared-basis: the calibration mix holds {len(ids)} tokens, fewer than {n} rows of {seq}")
+        docs *= 2
+    return torch.tensor(ids[:n * seq]).view(n, seq)
+
+
+def group_weights(fitted: list, grouping: str, fisher: torch.Tensor) -> list[torch.Tensor]:
+    """Each group's components' effect weights u^T F u `[dims]`, F block-diagonal over the group's (layer, head)
+    blocks of `fisher` `[layers, kv_heads, head_dim, head_dim]` (each head's Fisher)."""
+    layers, heads = fisher.shape[:2]
+    blocks = fisher.reshape(layers * heads, *fisher.shape[2:])
+    size = 1 if grouping == "head" else heads * (1 if grouping == "layer" else int(grouping.removeprefix("layers")))
+    return [((vec.T @ torch.block_diag(*blocks[g * size:(g + 1) * size])) * vec.T).sum(-1)
+            for g, (_, _, vec) in enumerate(fitted)]
+
+
+def rotated(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys `[heads, seq, head_dim]` rotated by `cos`, `sin` `[seq, head_dim]` (the Llama rotary embedding)."""
+    half = keys.shape[-1] // 2
+    return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
+
+
+@torch.no_grad()
+def needles(args) -> None:
+    """`shared_basis_needles.csv`: needle_text scores per grouping and budget, by simulation (module doc)."""
+    from patchkv.allocation import step_scales_for
+    from patchkv.budgets import parse_budget
+    from patchkv.methods import Quantized
+
+    model, tokenizer = load_smollm2(models_dtype())
+    artifact = load_artifacts()["pre_rope"]
+    layers, heads, head_dim = artifact.keys.eigenvalues.shape
+    groupings = args.needle_groupings.split(",")
+    fitted, weights = {}, {}
+    fit = cached_vectors(model, calibration_rows(tokenizer, args.fit_rows)) if set(groupings) - {"shipped"} else None
+    for kind in ("keys", "values"):
+        c = getattr(artifact, kind)
+        mean, lam, vec, w = (t.double() for t in (c.mean, c.eigenvalues, c.eigenvectors, c.weights))
+        fisher = vec @ torch.diag_embed(w) @ vec.transpose(-1, -2)
+        for grouping in groupings:
+            if grouping == "shipped":
+                fitted[kind, grouping] = [(mean[l, h], lam[l, h], vec[l, h]) for l in range(layers)
+                                          for h in range(heads)]
+                weights[kind, grouping] = list(w.reshape(layers * heads, head_dim))
+            else:
+                fitted[kind, grouping] = bases(fit[kind], grouping, head_dim)
+                weights[kind, grouping] = group_weights(fitted[kind, grouping], grouping, fisher)
+    rows = []
+    for sample in TASKS["needle_text"].samples(4096, args.needles, SMOLLM2):
+        caught: dict[str, list] = {"keys": [], "values": []}
+        hooks = [getattr(layer.self_attn, proj).register_forward_hook(
+            lambda m, i, o, kind=kind: caught[kind].append(o[0].double()))
+            for layer in model.model.layers for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
+        try:
+            cache = model(input_ids=torch.tensor([sample["context_ids"]]), use_cache=True, logits_to_keep=1).cache
+        finally:
+            for h in hooks:
+                h.remove()
+        n = len(sample["context_ids"])
+        coded = slice(4, n - 32)
+        clean = {kind: torch.stack(got, 1)[coded] for kind, got in caught.items()}   # [tokens, layers, width]
+        exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        cos, sin = (t[0, coded].double() for t in model.model.rotary_emb(exact[0][0], torch.arange(n)[None]))
+        for budget, grouping in itertools.product(args.needle_budgets.split(","), groupings):
+            bits = next(m.bits for m in parse_budget(budget).methods(artifact, 4096) if isinstance(m, Quantized))
+            scales = [float(s.mean()) for s in step_scales_for(artifact, bits, "global")]
+            cost = torch.cat([lam * w.clamp_min(0) for kind in ("keys", "values")
+                              for (_, lam, _), w in zip(fitted[kind, grouping], weights[kind, grouping])])
+            allocated = allocate_bits_global(cost, bits * layers * heads * 2)
+            split = sum(lam.numel() for _, lam, _ in fitted["keys", grouping])
+            form = "head" if grouping == "shipped" else grouping
+            keys, values = (quantized(clean[kind], fitted[kind, grouping], b, form, head_dim, scale)
+                            for kind, b, scale in zip(("keys", "values"), (allocated[:split], allocated[split:]),
+                                                      scales))
+            for l, (layer, (k, v)) in enumerate(zip(cache.layers, exact)):
+                layer.keys, layer.values = k.clone(), v.clone()
+                layer.keys[0, :, coded] = rotated(keys[:, l].view(-1, heads, head_dim).transpose(0, 1), cos, sin
+                                                  ).to(k.dtype)
+                layer.values[0, :, coded] = values[:, l].view(-1, heads, head_dim).transpose(0, 1).to(v.dtype)
+            logits = model(input_ids=torch.tensor([sample["question_ids"]]), cache=cache, use_cache=True).logits[:, -1]
+            answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
+            rows.append({"grouping": grouping, "budget": budget, "bits_per_head": bits, "index": sample["index"],
+                         "score": ruler_score(sample, answer), "prediction": answer[:40]})
+            print(rows[-1], flush=True)
+    write_csv(rows, args.out / "shared_basis_needles.csv", extra={"fit_rows": args.fit_rows})
 
 
 def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
