@@ -37,6 +37,12 @@ or cross-layer terms: those are not measured); steps are the Gaussian-matched on
 for the budget (one per kind). Grouping `shipped` is the artifact's own bases, weights and scales: the codes
 `Quantized` builds, which the simulation must reproduce (the suite's records of the same samples: `16x`, `32x`).
 Bases of the other groupings are fitted on `--fit-rows` rows of 512 tokens of the calibration mix, in the same dtype.
+
+Perplexity read as the suite reads it, by simulation (`--chunked-docs N`, `shared_basis_chunked_ppl.csv`): the first
+N 4k documents of each perplexity task fed 64 tokens a forward through the model's own cache, in which, after each
+forward, every token past the 4 sinks that has left the last 32 is replaced by its reconstruction from codes (the
+keys and values that forward computed, coded as for the needles): what patchkv's cache holds, on each grouping's
+bases. `shipped` must reproduce the suite's `16x` / `32x` records of the same documents.
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ from patchkv.allocation import allocate_bits_global
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
-from .suite import SMOLLM2, load_artifacts, load_smollm2, models_dtype, write_csv
+from .suite import SMOLLM2, load_artifacts, load_smollm2, models_dtype, text_ids, write_csv
 from .tasks import TASKS, greedy_answer, ruler_score
 from .verbs import parse, parser
 
+#: the exact regions of the coded simulations: the suite's 4 sinks and 32-token window
+SINKS, WINDOW = 4, 32
 BUDGETS = (("4x", 249), ("8x", 119), ("16x", 55), ("32x", 23))  # bits per head at 4k, as evals/suite.py runs them
 GROUPINGS = ("head", "layer", "layers2", "layers5", "layers30")
 
@@ -155,11 +163,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--docs", type=int, default=0, help="held-out documents per domain for the simulated perplexity")
     p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--needles", type=int, default=0, help="needle_text samples for the simulated needles (only)")
-    p.add_argument("--needle-budgets", default="16x,32x", help="the budgets the needles are coded at")
-    p.add_argument("--needle-groupings", default=",".join(("shipped", *GROUPINGS)))
+    p.add_argument("--chunked-docs", type=int, default=0,
+                   help="documents per domain for the simulated perplexity read 64 tokens a forward (only)")
+    p.add_argument("--needle-budgets", default="16x,32x", help="the budgets of --needles and --chunked-docs")
+    p.add_argument("--needle-groupings", default=",".join(("shipped", *GROUPINGS)),
+                   help="the groupings of --needles and --chunked-docs")
     args = parse(p, argv)
-    if args.needles:
-        return needles(args)
+    if args.needles or args.chunked_docs:
+        if args.needles:
+            needles(args)
+        if args.chunked_docs:
+            chunked_perplexity(args)
+        return
     model, tokenizer = load_smollm2(torch.float32)
     rows = calibration_rows(tokenizer, args.fit_rows + args.test_rows)
     fit, test = cached_vectors(model, rows[:args.fit_rows]), cached_vectors(model, rows[args.fit_rows:])
@@ -208,69 +223,160 @@ def rotated(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
 
 
-@torch.no_grad()
-def needles(args) -> None:
-    """`shared_basis_needles.csv`: needle_text scores per grouping and budget, by simulation (module doc)."""
-    from patchkv.allocation import step_scales_for
-    from patchkv.budgets import parse_budget
-    from patchkv.methods import Quantized
+class Capture:
+    """The k_proj and v_proj outputs (pre-RoPE keys, values) of every layer while active; `take()` returns those of
+    the forwards since the last take, float64 `[tokens, layers, width]` each (batch 1)."""
 
-    model, tokenizer = load_smollm2(models_dtype())
-    artifact = load_artifacts()["pre_rope"]
+    def __init__(self, model):
+        self.model, self.got = model, {"keys": [], "values": []}
+
+    def __enter__(self) -> Capture:
+        self.hooks = [getattr(layer.self_attn, proj).register_forward_hook(
+            lambda m, i, o, kind=kind: self.got[kind].append(o[0].double()))
+            for layer in self.model.model.layers for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def take(self) -> dict[str, torch.Tensor]:
+        layers = len(self.model.model.layers)
+        out = {kind: torch.cat([torch.stack(got[f:f + layers], 1) for f in range(0, len(got), layers)])
+               for kind, got in self.got.items()}
+        self.got = {"keys": [], "values": []}
+        return out
+
+
+def grouped_bases(model, tokenizer, artifact, groupings: list[str], fit_rows: int) -> dict:
+    """(kind, grouping) -> (fitted bases as `bases` returns them, each group's effect weights): `shipped` the
+    artifact's own, the others fitted on `fit_rows` rows of the calibration mix (module doc)."""
     layers, heads, head_dim = artifact.keys.eigenvalues.shape
-    groupings = args.needle_groupings.split(",")
-    fitted, weights = {}, {}
-    fit = cached_vectors(model, calibration_rows(tokenizer, args.fit_rows)) if set(groupings) - {"shipped"} else None
+    fit = cached_vectors(model, calibration_rows(tokenizer, fit_rows)) if set(groupings) - {"shipped"} else None
+    out = {}
     for kind in ("keys", "values"):
         c = getattr(artifact, kind)
         mean, lam, vec, w = (t.double() for t in (c.mean, c.eigenvalues, c.eigenvectors, c.weights))
         fisher = vec @ torch.diag_embed(w) @ vec.transpose(-1, -2)
         for grouping in groupings:
             if grouping == "shipped":
-                fitted[kind, grouping] = [(mean[l, h], lam[l, h], vec[l, h]) for l in range(layers)
-                                          for h in range(heads)]
-                weights[kind, grouping] = list(w.reshape(layers * heads, head_dim))
+                out[kind, grouping] = ([(mean[l, h], lam[l, h], vec[l, h]) for l in range(layers)
+                                        for h in range(heads)], list(w.reshape(layers * heads, head_dim)))
             else:
-                fitted[kind, grouping] = bases(fit[kind], grouping, head_dim)
-                weights[kind, grouping] = group_weights(fitted[kind, grouping], grouping, fisher)
+                fitted = bases(fit[kind], grouping, head_dim)
+                out[kind, grouping] = (fitted, group_weights(fitted, grouping, fisher))
+    return out
+
+
+def coder(artifact, grouped: dict, grouping: str, budget: str):
+    """(bits per head, code): `code(keys, values)` `[tokens, layers, width]` -> their reconstructions from codes on
+    `grouping`'s bases at `budget`'s bits (allocated by effect over keys and values together, the artifact's step
+    scale for the budget)."""
+    from patchkv.allocation import step_scales_for
+    from patchkv.budgets import parse_budget
+    from patchkv.methods import Quantized
+
+    layers, heads, head_dim = artifact.keys.eigenvalues.shape
+    bits = next(m.bits for m in parse_budget(budget).methods(artifact, 4096) if isinstance(m, Quantized))
+    scales = [float(s.mean()) for s in step_scales_for(artifact, bits, "global")]
+    (kb, kw), (vb, vw) = grouped["keys", grouping], grouped["values", grouping]
+    cost = torch.cat([lam * w.clamp_min(0) for (_, lam, _), w in zip(kb + vb, kw + vw)])
+    allocated = allocate_bits_global(cost, bits * layers * heads * 2)
+    split = sum(lam.numel() for _, lam, _ in kb)
+    form = "head" if grouping == "shipped" else grouping
+
+    def code(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (quantized(keys, kb, allocated[:split], form, head_dim, scales[0]),
+                quantized(values, vb, allocated[split:], form, head_dim, scales[1]))
+    return bits, code
+
+
+def write_codes(cache, keys: torch.Tensor, values: torch.Tensor, start: int, rotary) -> None:
+    """Positions `start` onwards of every layer of the model's own `cache` replaced by `keys` (pre-RoPE, rotated
+    here by `rotary`, the model's rotary embedding) and `values`, `[tokens, layers, heads * head_dim]`."""
+    heads, head_dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
+    span = slice(start, start + keys.shape[0])
+    cos, sin = (t[0].double() for t in rotary(cache.layers[0].keys, torch.arange(span.start, span.stop)[None]))
+    for l, layer in enumerate(cache.layers):
+        layer.keys[0, :, span] = rotated(keys[:, l].view(-1, heads, head_dim).transpose(0, 1), cos, sin
+                                         ).to(layer.keys.dtype)
+        layer.values[0, :, span] = values[:, l].view(-1, heads, head_dim).transpose(0, 1).to(layer.values.dtype)
+
+
+def coded_runs(args) -> tuple:
+    """(model, tokenizer, the artifact, {(budget, grouping): (bits, code)}) for the simulations."""
+    model, tokenizer = load_smollm2(models_dtype())
+    artifact = load_artifacts()["pre_rope"]
+    groupings = args.needle_groupings.split(",")
+    grouped = grouped_bases(model, tokenizer, artifact, groupings, args.fit_rows)
+    return model, tokenizer, artifact, {(budget, grouping): coder(artifact, grouped, grouping, budget)
+                                        for budget in args.needle_budgets.split(",") for grouping in groupings}
+
+
+@torch.no_grad()
+def needles(args) -> None:
+    """`shared_basis_needles.csv`: needle_text scores per grouping and budget, by simulation (module doc)."""
+    model, tokenizer, artifact, coders = coded_runs(args)
     rows = []
     for sample in TASKS["needle_text"].samples(4096, args.needles, SMOLLM2):
-        caught: dict[str, list] = {"keys": [], "values": []}
-        hooks = [getattr(layer.self_attn, proj).register_forward_hook(
-            lambda m, i, o, kind=kind: caught[kind].append(o[0].double()))
-            for layer in model.model.layers for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
-        try:
+        with Capture(model) as capture:
             cache = model(input_ids=torch.tensor([sample["context_ids"]]), use_cache=True, logits_to_keep=1).cache
-        finally:
-            for h in hooks:
-                h.remove()
         n = len(sample["context_ids"])
-        coded = slice(4, n - 32)
-        clean = {kind: torch.stack(got, 1)[coded] for kind, got in caught.items()}   # [tokens, layers, width]
+        clean = {kind: x[SINKS:n - WINDOW] for kind, x in capture.take().items()}
         exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        cos, sin = (t[0, coded].double() for t in model.model.rotary_emb(exact[0][0], torch.arange(n)[None]))
-        for budget, grouping in itertools.product(args.needle_budgets.split(","), groupings):
-            bits = next(m.bits for m in parse_budget(budget).methods(artifact, 4096) if isinstance(m, Quantized))
-            scales = [float(s.mean()) for s in step_scales_for(artifact, bits, "global")]
-            cost = torch.cat([lam * w.clamp_min(0) for kind in ("keys", "values")
-                              for (_, lam, _), w in zip(fitted[kind, grouping], weights[kind, grouping])])
-            allocated = allocate_bits_global(cost, bits * layers * heads * 2)
-            split = sum(lam.numel() for _, lam, _ in fitted["keys", grouping])
-            form = "head" if grouping == "shipped" else grouping
-            keys, values = (quantized(clean[kind], fitted[kind, grouping], b, form, head_dim, scale)
-                            for kind, b, scale in zip(("keys", "values"), (allocated[:split], allocated[split:]),
-                                                      scales))
-            for l, (layer, (k, v)) in enumerate(zip(cache.layers, exact)):
+        for (budget, grouping), (bits, code) in coders.items():
+            for layer, (k, v) in zip(cache.layers, exact):
                 layer.keys, layer.values = k.clone(), v.clone()
-                layer.keys[0, :, coded] = rotated(keys[:, l].view(-1, heads, head_dim).transpose(0, 1), cos, sin
-                                                  ).to(k.dtype)
-                layer.values[0, :, coded] = values[:, l].view(-1, heads, head_dim).transpose(0, 1).to(v.dtype)
+            write_codes(cache, *code(clean["keys"], clean["values"]), SINKS, model.model.rotary_emb)
             logits = model(input_ids=torch.tensor([sample["question_ids"]]), cache=cache, use_cache=True).logits[:, -1]
             answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
             rows.append({"grouping": grouping, "budget": budget, "bits_per_head": bits, "index": sample["index"],
                          "score": ruler_score(sample, answer), "prediction": answer[:40]})
             print(rows[-1], flush=True)
     write_csv(rows, args.out / "shared_basis_needles.csv", extra={"fit_rows": args.fit_rows})
+
+
+@torch.no_grad()
+def coded_nll(model, ids: torch.Tensor, code, chunk: int = 64) -> tuple[float, int]:
+    """(NLL sum, tokens scored) of `ids` `[1, seq]` read `chunk` tokens a forward as `Perplexity` reads them, the
+    model's own cache holding, after each forward, every token past the sinks that has left the last `WINDOW` as
+    `code` reconstructs it (None: exact)."""
+    total, count, cache, coded, clean = 0.0, 0, None, SINKS, None
+    with Capture(model) as capture:
+        for start in range(0, ids.shape[1], chunk):
+            step = ids[:, start:start + chunk]
+            out = model(input_ids=step, cache=cache, use_cache=True)
+            cache = out.cache
+            targets = ids[:, start + 1:start + 1 + step.shape[1]]
+            logprobs = out.logits[:, :targets.shape[1]].float().log_softmax(-1)
+            total -= float(logprobs.gather(-1, targets.unsqueeze(-1)).sum())
+            count += targets.numel()
+            new = capture.take()
+            clean = new if clean is None else {kind: torch.cat([clean[kind], x]) for kind, x in new.items()}
+            end = start + step.shape[1] - WINDOW
+            if code is not None and end > coded:
+                write_codes(cache, *code(clean["keys"][coded:end], clean["values"][coded:end]), coded,
+                            model.model.rotary_emb)
+                coded = end
+    return total, count
+
+
+def chunked_perplexity(args) -> None:
+    """`shared_basis_chunked_ppl.csv`: perplexity per grouping and budget, read 64 tokens a forward, by simulation."""
+    model, tokenizer, artifact, coders = coded_runs(args)
+    rows = []
+    for domain in ("prose", "shakespeare", "milton"):
+        task = TASKS[f"ppl_{domain}"]
+        for index in range(args.chunked_docs):
+            ids = text_ids(tokenizer, task.documents()[index], 4096)
+            base, count = coded_nll(model, ids, None)
+            for (budget, grouping), (bits, code) in {("-", "unpatched"): (16, None), **coders}.items():
+                nll = base if code is None else coded_nll(model, ids, code)[0]
+                rows.append({"document": f"{domain}#{index}", "tokens": count, "grouping": grouping,
+                             "budget": budget, "bits_per_head": bits, "ppl": round(math.exp(nll / count), 4),
+                             "vs_unpatched": round(math.exp((nll - base) / count) - 1, 5)})
+                print(rows[-1], flush=True)
+    write_csv(rows, args.out / "shared_basis_chunked_ppl.csv", extra={"fit_rows": args.fit_rows})
 
 
 def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
