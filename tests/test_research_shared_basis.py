@@ -1,0 +1,68 @@
+"""The simulations behind `python -m evals shared-basis --needles / --chunked-docs`: group effect weights carry each
+head's Fisher to any grouping, the captured keys rotate into exactly what the cache holds, and a coder that changes
+nothing leaves the chunked perplexity exact (so what the simulations measure is the codes)."""
+
+import math
+
+import torch
+from conftest import make_model
+
+from evals.research_shared_basis import Capture, bases, coded_nll, group_weights, rotated, write_codes
+
+
+def head_fisher(layers=2, heads=2, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(layers, heads, dim, dim, generator=g, dtype=torch.float64)
+    return a @ a.transpose(-1, -2)                       # symmetric, positive semi-definite
+
+
+def test_group_weights_are_the_fisher_along_each_component():
+    fisher = head_fisher()
+    x = torch.randn(200, 2, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for grouping, groups in (("head", 4), ("layer", 2), ("layers2", 1)):
+        fitted = bases(x, grouping, 8)
+        w = group_weights(fitted, grouping, fisher)
+        assert len(w) == groups
+        # an orthonormal basis of the whole group keeps the trace: the weights sum to the heads' Fisher traces
+        torch.testing.assert_close(torch.cat(w).sum(), fisher.diagonal(dim1=-2, dim2=-1).sum())
+    # a head's weights along its own eigenvectors are u^T F u, component by component
+    vec = bases(x, "head", 8)[3][2]
+    torch.testing.assert_close(group_weights([(None, None, vec)], "head", fisher[1:, 1:])[0],
+                               torch.einsum("ij,ik,kj->j", vec, fisher[1, 1], vec))
+
+
+def test_rotated_is_the_models_rotary_embedding():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = make_model("llama")
+    keys = torch.randn(1, 2, 7, 16, dtype=torch.float64)
+    cos, sin = model.model.rotary_emb(keys.float(), torch.arange(3, 10)[None])
+    _, expected = apply_rotary_pos_emb(keys, keys, cos.double(), sin.double())
+    torch.testing.assert_close(rotated(keys[0], cos[0].double(), sin[0].double()), expected[0])
+
+
+def test_capture_and_write_codes_rebuild_the_cache_the_model_wrote():
+    model = make_model("llama")
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), Capture(model) as capture:
+        cache = model(input_ids=ids[:, :12], use_cache=True).cache
+        model(input_ids=ids[:, 12:], cache=cache, use_cache=True)
+    clean = capture.take()
+    assert clean["keys"].shape == (20, 2, 2 * 16)
+    exact = [layer.keys.clone() for layer in cache.layers]
+    for layer in cache.layers:
+        layer.keys[0, :, 5:] = 0
+    write_codes(cache, clean["keys"][5:], clean["values"][5:], 5, model.model.rotary_emb)
+    for layer, keys in zip(cache.layers, exact):
+        torch.testing.assert_close(layer.keys, keys, atol=1e-5, rtol=0)
+
+
+def test_a_coder_that_changes_nothing_leaves_the_chunked_perplexity_exact():
+    model = make_model("llama")
+    ids = torch.randint(3, 96, (1, 150), generator=torch.Generator().manual_seed(3))
+    base, count = coded_nll(model, ids, None)
+    assert count == 149
+    same, _ = coded_nll(model, ids, lambda k, v: (k, v))
+    assert math.isclose(same, base, rel_tol=1e-5)
+    zeroed, _ = coded_nll(model, ids, lambda k, v: (torch.zeros_like(k), torch.zeros_like(v)))
+    assert not math.isclose(zeroed, base, rel_tol=1e-5)       # what it writes is what later forwards read
