@@ -269,9 +269,11 @@ def grouped_bases(model, tokenizer, artifact, groupings: list[str], fit_rows: in
 
 
 def coder(artifact, grouped: dict, grouping: str, budget: str):
-    """(bits per head, code): `code(keys, values)` `[tokens, layers, width]` -> their reconstructions from codes on
-    `grouping`'s bases at `budget`'s bits (allocated by effect over keys and values together, the artifact's step
-    scale for the budget)."""
+    """(bits per head, read, code): `code(keys, values)` `[tokens, layers, width]` -> their reconstructions from codes
+    on `grouping`'s bases at `budget`'s bits (allocated by effect over keys and values together, the artifact's step
+    scale for the budget); `read` the coded coefficients one query head reads per token and layer, keys and values
+    together (its KV head's on per-head bases, its group's on shared ones), averaged over layers: the work of a decode
+    step that scores and sums in the latent space."""
     from patchkv.allocation import step_scales_for
     from patchkv.budgets import parse_budget
     from patchkv.methods import Quantized
@@ -284,11 +286,13 @@ def coder(artifact, grouped: dict, grouping: str, budget: str):
     allocated = allocate_bits_global(cost, bits * layers * heads * 2)
     split = sum(lam.numel() for _, lam, _ in kb)
     form = "head" if grouping == "shipped" else grouping
+    coded = [int((b > 0).sum()) for b in allocated.split([lam.numel() for _, lam, _ in kb + vb])]
+    read = sum(coded) / len(kb)   # every layer of a group (a head: one) reads the group's keys and values
 
     def code(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (quantized(keys, kb, allocated[:split], form, head_dim, scales[0]),
                 quantized(values, vb, allocated[split:], form, head_dim, scales[1]))
-    return bits, code
+    return bits, read, code
 
 
 def write_codes(cache, keys: torch.Tensor, values: torch.Tensor, start: int, rotary) -> None:
@@ -304,7 +308,7 @@ def write_codes(cache, keys: torch.Tensor, values: torch.Tensor, start: int, rot
 
 
 def coded_runs(args) -> tuple:
-    """(model, tokenizer, the artifact, {(budget, grouping): (bits, code)}) for the simulations."""
+    """(model, tokenizer, the artifact, {(budget, grouping): (bits, read, code)}) for the simulations."""
     model, tokenizer = load_smollm2(models_dtype())
     artifact = load_artifacts()["pre_rope"]
     groupings = args.needle_groupings.split(",")
@@ -324,7 +328,7 @@ def needles(args) -> None:
         n = len(sample["context_ids"])
         clean = {kind: x[SINKS:n - WINDOW] for kind, x in capture.take().items()}
         exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        for (budget, grouping), (bits, code) in coders.items():
+        for (budget, grouping), (bits, _, code) in coders.items():
             for layer, (k, v) in zip(cache.layers, exact):
                 layer.keys, layer.values = k.clone(), v.clone()
             write_codes(cache, *code(clean["keys"], clean["values"]), SINKS, model.model.rotary_emb)
@@ -370,10 +374,11 @@ def chunked_perplexity(args) -> None:
         for index in range(args.chunked_docs):
             ids = text_ids(tokenizer, task.documents()[index], 4096)
             base, count = coded_nll(model, ids, None)
-            for (budget, grouping), (bits, code) in {("-", "unpatched"): (16, None), **coders}.items():
+            for (budget, grouping), (bits, read, code) in {("-", "unpatched"): (16, None, None), **coders}.items():
                 nll = base if code is None else coded_nll(model, ids, code)[0]
                 rows.append({"document": f"{domain}#{index}", "tokens": count, "grouping": grouping,
-                             "budget": budget, "bits_per_head": bits, "ppl": round(math.exp(nll / count), 4),
+                             "budget": budget, "bits_per_head": bits, "read_per_query_head": read,
+                             "ppl": round(math.exp(nll / count), 4),
                              "vs_unpatched": round(math.exp((nll - base) / count) - 1, 5)})
                 print(rows[-1], flush=True)
     write_csv(rows, args.out / "shared_basis_chunked_ppl.csv", extra={"fit_rows": args.fit_rows})
