@@ -37,6 +37,9 @@ or cross-layer terms: those are not measured); steps are the Gaussian-matched on
 for the budget (one per kind). Grouping `shipped` is the artifact's own bases, weights and scales: the codes
 `Quantized` builds, which the simulation must reproduce (the suite's records of the same samples: `16x`, `32x`).
 Bases of the other groupings are fitted on `--fit-rows` rows of 512 tokens of the calibration mix, in the same dtype.
+A budget with `Evict` ("16x+evict") first reads each context through patchkv's own cache under that budget to learn
+which tokens its `Evict` drops in each layer (`dropped`); the simulation then codes at that budget's bits and masks
+those tokens out of each layer's attention (`Masked`), so `shipped` reproduces the suite's `16x-evict`.
 
 Perplexity read as the suite reads it, by simulation (`--chunked-docs N`, `shared_basis_chunked_ppl.csv`): the first
 N 4k documents of each perplexity task fed 64 tokens a forward through the model's own cache, in which, after each
@@ -47,7 +50,7 @@ bases. `shipped` must reproduce the suite's `16x` / `32x` records of the same do
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import math
 from pathlib import Path
 
@@ -163,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--docs", type=int, default=0, help="held-out documents per domain for the simulated perplexity")
     p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--needles", type=int, default=0, help="needle_text samples for the simulated needles (only)")
+    p.add_argument("--needle-indices", default="", help="of the --needles samples, only these (comma-separated)")
     p.add_argument("--chunked-docs", type=int, default=0,
                    help="documents per domain for the simulated perplexity read 64 tokens a forward (only)")
     p.add_argument("--needle-budgets", default="16x,32x", help="the budgets of --needles and --chunked-docs")
@@ -317,14 +321,64 @@ def coded_runs(args) -> tuple:
                                         for budget in args.needle_budgets.split(",") for grouping in groupings}
 
 
+def dropped(model, artifact, budget: str, context: torch.Tensor) -> list[torch.Tensor] | None:
+    """Per layer, bool `[n]`: the tokens of `context` `[1, n]` that patchkv's cache under `budget` dropped after
+    reading it in one forward (its `Evict`'s choice, as the suite's `16x-evict` makes it); None without `Evict`."""
+    import patchkv
+    from patchkv.budgets import parse_budget
+
+    methods = parse_budget(budget).methods(artifact, 4096)
+    if not any(isinstance(m, patchkv.Evict) for m in methods):
+        return None
+    with patchkv.patched(model, artifact, methods):
+        cache = model(input_ids=context, use_cache=True, logits_to_keep=1).cache
+    out = []
+    for layer in cache.layers:
+        held = layer._columns()   # the sequence index of every token the layer holds; None: all of them
+        gone = torch.zeros(context.shape[1], dtype=torch.bool)
+        if held is not None:
+            gone[:] = True
+            gone[held[0]] = False
+        out.append(gone)
+    return out
+
+
+class Masked:
+    """While active, each layer's attention reads no column its entry of `gone` (bool `[n]`, the first n positions)
+    marks: the tokens an `Evict` dropped, left in the model's own cache but out of every query's reach."""
+
+    def __init__(self, model, gone: list[torch.Tensor]):
+        self.model, self.gone = model, gone
+
+    def __enter__(self) -> Masked:
+        def hook(module, args, kwargs, gone):
+            query = kwargs["hidden_states"].shape[1]
+            past = kwargs["cache"].get_seq_length(module.layer_idx)
+            allowed = torch.arange(past + query)[None] <= torch.arange(past, past + query)[:, None]
+            allowed[:, :gone.shape[0]] &= ~gone
+            return args, {**kwargs, "attention_mask": allowed[None, None]}
+        self.hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda m, a, k, gone=gone: hook(m, a, k, gone), with_kwargs=True)
+            for layer, gone in zip(self.model.model.layers, self.gone)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def needles(args) -> None:
     """`shared_basis_needles.csv`: needle_text scores per grouping and budget, by simulation (module doc)."""
     model, tokenizer, artifact, coders = coded_runs(args)
     rows = []
-    for sample in TASKS["needle_text"].samples(4096, args.needles, SMOLLM2):
+    samples = TASKS["needle_text"].samples(4096, args.needles, SMOLLM2)
+    chosen = [int(i) for i in args.needle_indices.split(",")] if args.needle_indices else range(len(samples))
+    for sample in (samples[i] for i in chosen):
+        context = torch.tensor([sample["context_ids"]])
+        gone = {budget: dropped(model, artifact, budget, context) for budget in args.needle_budgets.split(",")}
         with Capture(model) as capture:
-            cache = model(input_ids=torch.tensor([sample["context_ids"]]), use_cache=True, logits_to_keep=1).cache
+            cache = model(input_ids=context, use_cache=True, logits_to_keep=1).cache
         n = len(sample["context_ids"])
         clean = {kind: x[SINKS:n - WINDOW] for kind, x in capture.take().items()}
         exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -332,8 +386,10 @@ def needles(args) -> None:
             for layer, (k, v) in zip(cache.layers, exact):
                 layer.keys, layer.values = k.clone(), v.clone()
             write_codes(cache, *code(clean["keys"], clean["values"]), SINKS, model.model.rotary_emb)
-            logits = model(input_ids=torch.tensor([sample["question_ids"]]), cache=cache, use_cache=True).logits[:, -1]
-            answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
+            with Masked(model, gone[budget]) if gone[budget] else contextlib.nullcontext():
+                logits = model(input_ids=torch.tensor([sample["question_ids"]]), cache=cache, use_cache=True
+                               ).logits[:, -1]
+                answer = greedy_answer(model, tokenizer, logits, cache, sample["max_new_tokens"], sample["outputs"])
             rows.append({"grouping": grouping, "budget": budget, "bits_per_head": bits, "index": sample["index"],
                          "score": ruler_score(sample, answer), "prediction": answer[:40]})
             print(rows[-1], flush=True)

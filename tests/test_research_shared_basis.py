@@ -1,13 +1,16 @@
 """The simulations behind `python -m evals shared-basis --needles / --chunked-docs`: group effect weights carry each
-head's Fisher to any grouping, the captured keys rotate into exactly what the cache holds, and a coder that changes
-nothing leaves the chunked perplexity exact (so what the simulations measure is the codes)."""
+head's Fisher to any grouping, the captured keys rotate into exactly what the cache holds, a coder that changes
+nothing leaves the chunked perplexity exact (so what the simulations measure is the codes), and the tokens an
+`Evict` drops are found and kept out of every query's reach."""
 
 import math
 
 import torch
-from conftest import make_model
+from conftest import calibration_ids, make_model
 
-from evals.research_shared_basis import Capture, bases, coded_nll, group_weights, rotated, write_codes
+import patchkv
+from evals.research_shared_basis import (Capture, Masked, bases, coded_nll, dropped, group_weights, rotated,
+                                         write_codes)
 
 
 def head_fisher(layers=2, heads=2, dim=8, seed=0):
@@ -66,3 +69,29 @@ def test_a_coder_that_changes_nothing_leaves_the_chunked_perplexity_exact():
     assert math.isclose(same, base, rel_tol=1e-5)
     zeroed, _ = coded_nll(model, ids, lambda k, v: (torch.zeros_like(k), torch.zeros_like(v)))
     assert not math.isclose(zeroed, base, rel_tol=1e-5)       # what it writes is what later forwards read
+
+
+def test_dropped_is_what_the_caches_evict_drops_and_masked_hides_it():
+    model = make_model("llama")
+    artifact = patchkv.calibrate(model, calibration_ids(), rank=16, progress=False)
+    ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(4))
+    assert dropped(model, artifact, "40", ids) is None
+    gone = dropped(model, artifact, "40+evict", ids)
+    for layer in gone:   # 30% of the 64 tokens between the 4 sinks and the 32-token window, none outside them
+        assert int(layer.sum()) == 19 and not layer[:4].any() and not layer[-32:].any()
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).cache
+        for layer, g in zip(cache.layers, gone):
+            layer.values[0, :, g] = 100.0    # what a dropped token holds no query may read
+        question = torch.tensor([[5, 6, 7]])
+        with Masked(model, gone):
+            masked = model(input_ids=question, cache=cache, use_cache=True).logits
+        cache.crop(-3)
+        for layer, g in zip(cache.layers, gone):
+            layer.values[0, :, g] = -100.0
+        with Masked(model, gone):
+            again = model(input_ids=question, cache=cache, use_cache=True).logits
+        cache.crop(-3)
+        unmasked = model(input_ids=question, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(masked, again)
+    assert not torch.allclose(unmasked, again, atol=1e-3)
