@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from patchkv.adapters import adapter_for
 from patchkv.allocation import allocate_bits_global
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
@@ -221,12 +222,6 @@ def group_weights(fitted: list, grouping: str, fisher: torch.Tensor) -> list[tor
             for g, (_, _, vec) in enumerate(fitted)]
 
 
-def rotated(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pre-RoPE keys `[heads, seq, head_dim]` rotated by `cos`, `sin` `[seq, head_dim]` (the Llama rotary embedding)."""
-    half = keys.shape[-1] // 2
-    return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), -1) * sin
-
-
 class Capture:
     """The k_proj and v_proj outputs (pre-RoPE keys, values) of every layer while active; `take()` returns those of
     the forwards since the last take, float64 `[tokens, layers, width]` each (batch 1)."""
@@ -299,15 +294,17 @@ def coder(artifact, grouped: dict, grouping: str, budget: str):
     return bits, read, code
 
 
-def write_codes(cache, keys: torch.Tensor, values: torch.Tensor, start: int, rotary) -> None:
-    """Positions `start` onwards of every layer of the model's own `cache` replaced by `keys` (pre-RoPE, rotated
-    here by `rotary`, the model's rotary embedding) and `values`, `[tokens, layers, heads * head_dim]`."""
+def write_codes(model, cache, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    """Positions `start` onwards of every layer of `model`'s own `cache` replaced by `keys` (pre-RoPE, rotated here
+    by the model's rotary embedding, as its adapter rotates) and `values`, `[tokens, layers, heads * head_dim]`."""
     heads, head_dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
     span = slice(start, start + keys.shape[0])
-    cos, sin = (t[0].double() for t in rotary(cache.layers[0].keys, torch.arange(span.start, span.stop)[None]))
+    cos, sin = (t.double() for t in model.model.rotary_emb(cache.layers[0].keys,
+                                                            torch.arange(span.start, span.stop)[None]))
+    rotate = adapter_for(model).rotate
     for l, layer in enumerate(cache.layers):
-        layer.keys[0, :, span] = rotated(keys[:, l].view(-1, heads, head_dim).transpose(0, 1), cos, sin
-                                         ).to(layer.keys.dtype)
+        layer.keys[0, :, span] = rotate(keys[:, l].view(1, -1, heads, head_dim).transpose(1, 2), cos, sin
+                                        )[0].to(layer.keys.dtype)
         layer.values[0, :, span] = values[:, l].view(-1, heads, head_dim).transpose(0, 1).to(layer.values.dtype)
 
 
@@ -385,7 +382,7 @@ def needles(args) -> None:
         for (budget, grouping), (bits, _, code) in coders.items():
             for layer, (k, v) in zip(cache.layers, exact):
                 layer.keys, layer.values = k.clone(), v.clone()
-            write_codes(cache, *code(clean["keys"], clean["values"]), SINKS, model.model.rotary_emb)
+            write_codes(model, cache, *code(clean["keys"], clean["values"]), SINKS)
             with Masked(model, gone[budget]) if gone[budget] else contextlib.nullcontext():
                 logits = model(input_ids=torch.tensor([sample["question_ids"]]), cache=cache, use_cache=True
                                ).logits[:, -1]
@@ -415,8 +412,7 @@ def coded_nll(model, ids: torch.Tensor, code, chunk: int = 64) -> tuple[float, i
             clean = new if clean is None else {kind: torch.cat([clean[kind], x]) for kind, x in new.items()}
             end = start + step.shape[1] - WINDOW
             if code is not None and end > coded:
-                write_codes(cache, *code(clean["keys"][coded:end], clean["values"][coded:end]), coded,
-                            model.model.rotary_emb)
+                write_codes(model, cache, *code(clean["keys"][coded:end], clean["values"][coded:end]), coded)
                 coded = end
     return total, count
 

@@ -9,8 +9,7 @@ import torch
 from conftest import calibration_ids, make_model
 
 import patchkv
-from evals.research_shared_basis import (Capture, Masked, bases, coded_nll, dropped, group_weights, rotated,
-                                         write_codes)
+from evals.research_shared_basis import Capture, Masked, bases, coded_nll, dropped, group_weights, write_codes
 
 
 def head_fisher(layers=2, heads=2, dim=8, seed=0):
@@ -34,14 +33,19 @@ def test_group_weights_are_the_fisher_along_each_component():
                                torch.einsum("ij,ik,kj->j", vec, fisher[1, 1], vec))
 
 
-def test_rotated_is_the_models_rotary_embedding():
+def test_write_codes_rotates_as_the_model_does():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = make_model("llama")
-    keys = torch.randn(1, 2, 7, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(3, 96, (1, 10)), use_cache=True).cache
+    keys = torch.randn(7, 2, 2 * 16, dtype=torch.float64)           # [tokens, layers, heads * head_dim], pre-RoPE
+    write_codes(model, cache, keys, torch.zeros_like(keys), 3)
     cos, sin = model.model.rotary_emb(keys.float(), torch.arange(3, 10)[None])
-    _, expected = apply_rotary_pos_emb(keys, keys, cos.double(), sin.double())
-    torch.testing.assert_close(rotated(keys[0], cos[0].double(), sin[0].double()), expected[0])
+    for l, layer in enumerate(cache.layers):
+        pre = keys[:, l].view(1, 7, 2, 16).transpose(1, 2)
+        _, expected = apply_rotary_pos_emb(pre, pre, cos.double(), sin.double())
+        torch.testing.assert_close(layer.keys[:, :, 3:], expected.float())
 
 
 def test_capture_and_write_codes_rebuild_the_cache_the_model_wrote():
@@ -55,7 +59,7 @@ def test_capture_and_write_codes_rebuild_the_cache_the_model_wrote():
     exact = [layer.keys.clone() for layer in cache.layers]
     for layer in cache.layers:
         layer.keys[0, :, 5:] = 0
-    write_codes(cache, clean["keys"][5:], clean["values"][5:], 5, model.model.rotary_emb)
+    write_codes(model, cache, clean["keys"][5:], clean["values"][5:], 5)
     for layer, keys in zip(cache.layers, exact):
         torch.testing.assert_close(layer.keys, keys, atol=1e-5, rtol=0)
 
