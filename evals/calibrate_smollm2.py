@@ -22,7 +22,9 @@ Layer bases (artifact format version 5, for `Quantized(basis="layer")`) are cali
 on the same tokens. `--layer-bases-only` adds them to the artifacts already in `--out` (one calibration pass with
 effect weights, without step fits; its per-head bases must agree with the file's, or nothing is written; the
 per-head effect weights in the file are kept, and how far the fresh ones differ is printed): the
-shipped pre-RoPE artifact got its layer bases so, `--layer-bases-only --modes pre_rope --threads 1`.
+shipped pre-RoPE artifact got its layer bases so, `--layer-bases-only --modes pre_rope --threads 1`. With
+`--layers-per-basis S` each basis spans S layers (format version 7, what `python -m evals shared-basis --spanned`
+reads).
 
 The shipped pre-RoPE artifact's sets: 8x from `--step-budgets 8x --step-grid 1,1.25,1.5,1.75` (the first fit),
 then 16x and 32x from `--steps-only --step-budgets 16x,32x --step-passes 2 --threads 1` (the default grid; keys,
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-passes", type=int, default=3, help="keys, values, keys again (3) or keys, values (2)")
     ap.add_argument("--steps-only", action="store_true", help="refit the step scales of the artifacts in --out")
     ap.add_argument("--layer-bases-only", action="store_true", help="add layer bases to the artifacts in --out")
+    ap.add_argument("--layers-per-basis", type=int, default=1,
+                    help="layers each layer basis spans (format version 7 above 1: bases across layers)")
     args = parse(ap, argv)
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.bfloat16).eval()
@@ -113,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
 def calibrate(model, tokenizer, mode: str, args: argparse.Namespace, fisher_tokens: int) -> patchkv.Artifact:
     return patchkv.calibrate(model, general_mix(), tokenizer=tokenizer, mode=mode, rank=32, max_tokens=args.max_tokens,
                              sink_tokens=args.sink_tokens, fisher_tokens=fisher_tokens,
-                             fisher_window=args.fisher_window, layer_bases=True, retrieval_rows=args.retrieval_rows,
+                             fisher_window=args.fisher_window, layer_bases=True,
+                             layers_per_basis=args.layers_per_basis, retrieval_rows=args.retrieval_rows,
                              source="general mix: Python docs prose + Shakespeare training works")
 
 
@@ -131,7 +136,7 @@ def with_layer_bases(artifact: patchkv.Artifact, fresh: patchkv.Artifact) -> pat
                   f"{change.median().item():.2e}, max {change.max().item():.2e}", flush=True)
         for name in ("layer_mean", "layer_eigenvalues", "layer_eigenvectors", "layer_weights"):
             setattr(mine, name, getattr(theirs, name))
-    artifact.calibration["layer_bases"] = True
+    artifact.calibration["layer_bases"] = fresh.calibration["layer_bases"]
     return patchkv.Artifact(mode=artifact.mode, model=artifact.model, keys=artifact.keys, values=artifact.values,
                             calibration=artifact.calibration, step_budgets=artifact.step_budgets)
 

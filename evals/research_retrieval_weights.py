@@ -63,7 +63,7 @@ def retrieval_fisher(model, tokenizer, rows: int, seq: int) -> dict:
     adapter = adapter_for(model)
     modules = attention_modules(model, adapter)
     with torch.no_grad(), FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=SINKS, window=WINDOW,
-                                        layers=True) as fisher:
+                                        layers=1) as fisher:
         losses = measure(fisher, tokenizer, text, range(rows), seq, torch.device("cpu"))
     print("retrieval rows' answer loss, nats a token:", [round(x, 3) for x in losses], flush=True)
     out = fisher.sums()

@@ -192,13 +192,13 @@ def bit_allocation(artifact: Artifact, bits: int, pool: str = "head", context: i
 
 def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head", context: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bits per layer component `[layers, kv_heads * head_dim]` int64 for keys and for values, on the artifact's
-    layer bases (format version 5): what `Quantized(bits, pool, basis="layer")` codes with, `bits` per head and
-    token on average as `bit_allocation` spends them. pool="head": `bits x kv_heads` for each layer's keys and
-    for its values, by dynamic programming on the layer's eigenvalues; pool="global": one pool over every layer,
-    key and value on eigenvalue x the layer components' effect weights (`layer_weights`: the layer's whole Fisher
-    matrix over its heads, cross-head terms included), each layer's key and value codes packed to whole bytes,
-    priced by `context` as `bit_allocation` does."""
+    """Bits per layer component `[layers / S, S * kv_heads * head_dim]` int64 for keys and for values, on the
+    artifact's layer bases, each spanning S layers (format version 5: S = 1; version 7: S > 1): what
+    `Quantized(bits, pool, basis="layer")` codes with, `bits` per head and token on average as `bit_allocation`
+    spends them. pool="head": `bits x kv_heads x S` for each basis' keys and for its values, by dynamic programming on
+    its eigenvalues; pool="global": one pool over every basis, key and value on eigenvalue x the components' effect
+    weights (`layer_weights`: the span's whole Fisher matrix, cross-head and cross-layer terms included), each
+    basis' key and value codes packed to whole bytes, priced by `context` as `bit_allocation` does (S = 1 only)."""
     if not artifact.has_layer_bases:
         raise ValueError("basis='layer' codes on the artifact's layer bases, and this artifact has none (format "
                          f"version {artifact.format_version}). Recalibrate with patchkv.calibrate(..., "
@@ -208,15 +208,19 @@ def layer_bit_allocation(artifact: Artifact, bits: int, pool: str = "head", cont
     layers, heads, dim = artifact.num_layers, artifact.num_kv_heads, artifact.head_dim
     if not 1 <= bits <= dim * MAX_BITS:
         raise ValueError(f"bits per head must be in [1, {dim * MAX_BITS}] for head_dim={dim}, got {bits}.")
-    parts = (artifact.keys, artifact.values)
+    parts, span = (artifact.keys, artifact.values), artifact.layers_per_basis
     if pool == "head":
-        return tuple(allocate_bits(c.layer_eigenvalues, bits * heads) for c in parts)
+        return tuple(allocate_bits(c.layer_eigenvalues, bits * heads * span) for c in parts)
     if not artifact.has_effect_weights:
         raise ValueError("pool='global' allocates bits by effect weights, and this artifact has none; recalibrate "
                          "with fisher_tokens=8192, or use pool='head'.")
     costs = [c.layer_eigenvalues.double().clamp_min(0) * c.layer_weights.double() for c in parts]
     prices = layer_prices(artifact, context)
-    groups = allocate_to_bytes([c[layer] for layer in range(layers) for c in costs], bits * layers * heads * 2 // 8,
+    if prices is not None and span > 1:
+        raise ValueError(f"a pool priced by the tokens each layer holds needs one basis per layer; this artifact's "
+                         f"layer bases span {span} layers: pass context=None (every layer priced alike).")
+    groups = allocate_to_bytes([c[unit] for unit in range(layers // span) for c in costs],
+                               bits * layers * heads * 2 // 8,
                                prices=None if prices is None else [p for p in prices for _ in costs])
     return torch.stack(groups[0::2]), torch.stack(groups[1::2])
 

@@ -42,7 +42,8 @@ class Components:
     """PCA of keys or of values, all layers stacked, and optionally the components' effect weights, the heads'
     quantizer step scales (`[budgets, L, H]`, one slice per entry of the artifact's `step_budgets`) and the layer
     bases (`layer_mean` `[L, H * d]`, `layer_eigenvalues` `[L, H * d]`, `layer_eigenvectors` `[L, H * d, H * d]`:
-    one PCA per layer over its KV heads concatenated). Shapes as in the format spec (`patchkv.artifact_format`)."""
+    one PCA per layer over its KV heads concatenated; or one per span of S consecutive layers, `[L / S, S * H * d]`,
+    format version 7). Shapes as in the format spec (`patchkv.artifact_format`)."""
 
     mean: torch.Tensor
     eigenvalues: torch.Tensor
@@ -58,6 +59,11 @@ class Components:
     @property
     def has_layer_bases(self) -> bool:
         return self.layer_mean is not None
+
+    @property
+    def layers_per_basis(self) -> int:
+        """How many consecutive layers each layer basis spans (`layer_mean` `[L / S, S * H * d]`); 0 without them."""
+        return self.layer_mean.shape[-1] // (self.mean.shape[1] * self.mean.shape[2]) if self.has_layer_bases else 0
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         out = {
@@ -137,9 +143,18 @@ class Artifact:
         return self.keys.has_layer_bases
 
     @property
+    def layers_per_basis(self) -> int:
+        """How many consecutive layers each layer basis spans: 1 for one basis per layer (format version 5), more
+        for bases across layers (version 7); 0 without layer bases."""
+        return self.keys.layers_per_basis
+
+    @property
     def format_version(self) -> int:
-        """The version this artifact is written at: 6 for a model with sliding-window layers, else 5 with layer
-        bases, else 4 with step scales, else 2 with effect weights, else 1."""
+        """The version this artifact is written at: 7 with layer bases spanning several layers, else 6 for a model
+        with sliding-window layers, else 5 with layer bases, else 4 with step scales, else 2 with effect weights,
+        else 1."""
+        if self.layers_per_basis > 1:
+            return 7
         if SLIDING_WINDOWS in self.model:
             return 6
         return 5 if self.has_layer_bases else 4 if self.has_step_scales else 2 if self.has_effect_weights else 1
@@ -254,12 +269,14 @@ class Artifact:
         try:
             check_model_fields(meta["model"])
             version = meta["format_version"]
-            if (version == 6) != (SLIDING_WINDOWS in meta["model"]):
-                raise InvalidArtifactError(f"model.{SLIDING_WINDOWS} is given exactly in format version 6 (a model "
-                                           f"with sliding-window layers); this file is version {version}.")
+            sliding = SLIDING_WINDOWS in meta["model"]
+            if (version == 6 and not sliding) or (sliding and version < 6):
+                raise InvalidArtifactError(f"model.{SLIDING_WINDOWS} is given always in format version 6 (a model "
+                                           f"with sliding-window layers), optionally in 7 and never before; this file "
+                                           f"is version {version}.")
             check_tensor_set(tensors, version, STEP_BUDGETS in meta)
             budgets = None
-            if version in (4, 5, 6) and STEP_BUDGETS in meta:
+            if version in (4, 5, 6, 7) and STEP_BUDGETS in meta:
                 budgets = parse_budgets(meta[STEP_BUDGETS], meta["model"]["head_dim"], STEP_BUDGETS)
             elif version == 3:  # one budget, recorded in the calibration summary: read once, here, into a typed field
                 record = meta["calibration"].get("step_scales")
@@ -274,8 +291,13 @@ class Artifact:
                                       step_scales=tensors.get(f"{kind}.{STEP_SCALES}"),
                                       **{name: tensors.get(f"{kind}.{name}") for name in (*LAYER_NAMES, LAYER_WEIGHTS)})
                      for kind in KINDS}
-            return cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"],
-                       step_budgets=budgets, **parts)
+            artifact = cls(mode=meta["mode"], model=meta["model"], calibration=meta["calibration"],
+                           step_budgets=budgets, **parts)
+            if (version == 7) != (artifact.layers_per_basis > 1):
+                raise InvalidArtifactError(f"layer bases span several layers exactly in format version 7; this file is "
+                                           f"version {version} and its layer bases span "
+                                           f"{artifact.layers_per_basis} layer(s).")
+            return artifact
         except InvalidArtifactError as e:
             raise InvalidArtifactError(f"{file} is not a valid patchkv artifact: {e}") from e
 
@@ -308,6 +330,9 @@ class Artifact:
             if len(given) == 1:
                 raise InvalidArtifactError(f"{what} must be given for keys and values both, or for neither; "
                                            f"found them for {given[0]} only.")
+        if self.keys.layers_per_basis != self.values.layers_per_basis:
+            raise InvalidArtifactError(f"keys' layer bases span {self.keys.layers_per_basis} layer(s) and values' "
+                                       f"{self.values.layers_per_basis}: both kinds must span the same layers.")
         if self.has_step_scales != (self.step_budgets is not None):
             raise InvalidArtifactError("step scales come with step_budgets (the (bits, pool) each was fitted for), "
                                        "and step_budgets with step scales; found one without the other.")

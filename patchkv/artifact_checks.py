@@ -41,7 +41,7 @@ def parse_metadata(file: Path, text: str) -> dict[str, Any]:
             f"{file} has artifact format version {version!r}; this patchkv reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}. Install the patchkv version that wrote it, or recalibrate."
         )
-    budgeted = version == 4 or (version in (5, 6) and STEP_BUDGETS in meta)  # versions 5, 6: step scales optional
+    budgeted = version == 4 or (version in (5, 6, 7) and STEP_BUDGETS in meta)  # versions 5-7: step scales optional
     fields = META_FIELDS + ((STEP_BUDGETS,) if budgeted else ())
     missing = [k for k in fields if k not in meta]
     extra = sorted(k for k in meta if k not in fields)
@@ -139,10 +139,11 @@ def parse_budgets(budgets: Any, head_dim: int, where: str) -> list[tuple[int, st
 def check_tensor_set(tensors: dict[str, torch.Tensor], version: int, budgeted: bool) -> None:
     """Step 6: exactly the eight (version 1), ten (version 2), ten or twelve (versions 3 and 4: step scales, with
     or without effect weights) or the version 5 set (the layer bases; step scales when `budgeted`, the metadata
-    lists step budgets), or in version 6 the eight with any of those sets, float32 / int32 as stored in the file."""
-    scaled = version in (3, 4) or (version in (5, 6) and budgeted)
+    lists step budgets), or in version 6 the eight with any of those sets, or in version 7 the version 5 set, float32
+    / int32 as stored in the file."""
+    scaled = version in (3, 4) or (version in (5, 6, 7) and budgeted)
     with_weights = version == 2 or (version >= 3 and any(name.endswith(f".{WEIGHTS}") for name in tensors))
-    layered = version == 5 or (version == 6 and any(name.endswith(f".{LAYER_NAMES[0]}") for name in tensors))
+    layered = version in (5, 7) or (version == 6 and any(name.endswith(f".{LAYER_NAMES[0]}") for name in tensors))
     stored = TENSOR_NAMES + ((WEIGHTS,) if with_weights else ()) + ((STEP_SCALES,) if scaled else ()) \
         + (LAYER_NAMES + ((LAYER_WEIGHTS,) if with_weights else ()) if layered else ())
     names = {f"{kind}.{n}" for kind in KINDS for n in stored}
@@ -161,7 +162,8 @@ def check_tensor_set(tensors: dict[str, torch.Tensor], version: int, budgeted: b
 def check_components(kind: str, c: Components, layers: int, heads: int, dim: int) -> None:
     """Step 7 for one kind: the heads' bases (`_check_basis` over `[L, H]`, head dimension d); ranks `[L, H]` in
     [1, d]; step scales `[B, L, H]`, where given, finite and > 0; the layer bases, where given (`_check_basis` over
-    `[L]`, width H * d), with layer weights exactly when the heads have effect weights."""
+    `[L / S]`, width S * H * d for the S layers each spans, S dividing L), with layer weights exactly when the heads
+    have effect weights."""
     _check_basis(kind, c, "", (layers, heads), dim)
     _check_tensor(kind, "ranks", c.ranks, (layers, heads), (torch.int32, torch.int64))
     check_ranks(kind, c.ranks, dim)
@@ -177,9 +179,23 @@ def check_components(kind: str, c: Components, layers: int, heads: int, dim: int
             raise InvalidArtifactError(f"{kind}.layer_weights must be given exactly when the heads' effect weights "
                                        f"are ({'missing' if c.layer_weights is None else 'given without them'}); "
                                        "recalibrate with layer_bases=True and fisher_tokens > 0.")
-        _check_basis(kind, c, "layer_", (layers,), heads * dim)
+        span = layers_per_basis(kind, c.layer_mean, layers, heads * dim)
+        _check_basis(kind, c, "layer_", (layers // span,), span * heads * dim)
     elif c.layer_weights is not None:
         raise InvalidArtifactError(f"{kind}.layer_weights are given without layer bases.")
+
+
+def layers_per_basis(kind: str, layer_mean: Any, layers: int, width: int) -> int:
+    """How many consecutive layers each of a kind's layer bases spans, read from `layer_mean` `[L / S, S * width]`
+    (`width` = H * d): S >= 1 dividing L, or an error saying what the shape should be."""
+    shape = tuple(layer_mean.shape) if isinstance(layer_mean, torch.Tensor) else None
+    span = shape[1] // width if shape is not None and len(shape) == 2 else 0
+    if span < 1 or shape[1] % width or layers % span or shape[0] != layers // span:
+        raise InvalidArtifactError(
+            f"{kind}.layer_mean has shape {shape}, expected [{layers} / S, S x {width}]: one row per span of S "
+            f"consecutive layers (S dividing {layers}; S = 1 for one basis per layer), {width} = kv_heads x head_dim "
+            "columns per layer.")
+    return span
 
 
 def _check_basis(kind: str, c: Components, prefix: str, units: tuple[int, ...], dim: int) -> None:

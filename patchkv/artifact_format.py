@@ -3,7 +3,7 @@
 This module is the format: its spec (below), the names and bounds the spec gives, the checksum and the reading of
 a file's header. The data model, with load and save, is `patchkv.artifact` (`Artifact`, `Components`).
 
-Format, versions 1 to 6
+Format, versions 1 to 7
 =======================
 One safetensors file (`patchkv.safetensors` when saved into a directory). With `L` layers,
 `H` KV heads and head dimension `d`, a version 1 file holds exactly eight tensors, for `kind` in `keys`,
@@ -57,9 +57,23 @@ A version 6 file is the artifact of a model with sliding-window layers: it holds
 optionally the layer bases, with layer weights exactly when the heads have effect weights) and its `model` object
 has a tenth field, `sliding_windows`, that says how many tokens each layer holds (what budgets count bytes by).
 
-An artifact is written at the lowest version that holds it: 6 for a model with sliding-window layers, else 5 with
-layer bases, else 4 with step scales, else 2 with effect weights, else 1, so files without the newer tensors stay
-readable by older readers.
+A version 7 file holds layer bases that span `S` >= 2 consecutive layers (`calibrate(..., layer_bases=True,
+layers_per_basis=S)`, `S` dividing `L`): otherwise what a version 5 or 6 file holds (`sliding_windows` allowed), its
+layer tensors with one row per span of layers, `G = L / S` rows of width `S * D` (the span's layers concatenated
+in order, layer `g * S + i`'s head h in columns `i * D + h * d : i * D + (h + 1) * d`):
+
+    {kind}.layer_mean          float32 [G, S * D]
+    {kind}.layer_eigenvalues   float32 [G, S * D]
+    {kind}.layer_eigenvectors  float32 [G, S * D, S * D]
+    {kind}.layer_weights       float32 [G, S * D]     (exactly when the heads have effect weights; F the span's whole
+                                                       Fisher matrix, cross-layer terms included)
+
+One latent per token then codes the keys (or values) of `S` layers, what they share coded once (KVTC's bases across
+layers). `S` is read from the shapes (`S * D` the width); keys and values span the same layers.
+
+An artifact is written at the lowest version that holds it: 7 with layer bases spanning several layers, else 6 for a
+model with sliding-window layers, else 5 with layer bases, else 4 with step scales, else 2 with effect weights, else
+1, so files without the newer tensors stay readable by older readers.
 
 Keys are the vectors the cache would hold: un-rotated keys in `pre_rope` mode, rotated keys in
 `post_rope` mode. The whole spectrum is stored so that `Artifact.with_ranks` can re-truncate
@@ -67,11 +81,11 @@ without recalibrating; only `ranks` components per head are used at inference.
 
 The safetensors header metadata carries one entry, `"patchkv"`, a JSON object with exactly these fields:
 
-    format_version  1, 2, 3, 4, 5 or 6 (see above)
+    format_version  1, 2, 3, 4, 5, 6 or 7 (see above)
     mode            "pre_rope" | "post_rope"
     model           {"model_type", "architecture", "name_or_path", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-                     "dtype"} and, in version 6 only, "sliding_windows": one entry per layer, the
+                     "dtype"} and, in versions 6 and 7 only, "sliding_windows": one entry per layer, the
                      layer's attention window (a positive integer) or null for full attention, at
                      least one an integer; `apply` refuses a model whose fields differ (name,
                      architecture class and dtype excepted; a model without the field attends
@@ -82,7 +96,7 @@ The safetensors header metadata carries one entry, `"patchkv"`, a JSON object wi
                     where retrieval rows were mixed in), the step-scale fits; information only,
                     never read to decide how the cache works (a version 3 file's step-scale budget
                     is the one exception: `load` reads it once, into `step_budgets`)
-    step_budgets    version 4, and version 5 with step scales: [{"bits": int >= 1, "pool": "head" |
+    step_budgets    version 4, and versions 5 to 7 with step scales: [{"bits": int >= 1, "pool": "head" |
                     "global"}, ...], the B distinct budgets (`Quantized(bits, pool)`) the step scales
                     were fitted for
     checksum        "sha256:<hex>" over every tensor (name, dtype, shape, bytes, in name
@@ -100,22 +114,24 @@ head) unless all of the following hold, in this order:
    bytes parsed, so a file replaced meanwhile cannot be loaded under another file's hash.
 2. the file is readable safetensors with a `"patchkv"` entry holding a JSON object (not an array, not
    nested deeper than Python can parse), with exactly the fields above;
-3. `format_version` is the integer 1, 2, 3, 4, 5 or 6;
+3. `format_version` is the integer 1, 2, 3, 4, 5, 6 or 7;
 4. `checksum` is a "sha256:<64 hex>" string equal to the one recomputed from the tensors and metadata;
 5. metadata types: `mode` one of the two strings; `model` an object with exactly the nine fields above (ten in
    version 6), whose `model_type`, `architecture`, `name_or_path` are strings, `num_hidden_layers`,
    `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_size` positive integers, `dtype` one of
    float32, float16, bfloat16, float64, `sliding_windows` a list of `num_hidden_layers` entries, each null or a
-   positive integer, at least one an integer, given exactly in version 6; `calibration` an object, its objects and
+   positive integer, at least one an integer, given always in version 6, optionally in 7 and never before;
+   `calibration` an object, its objects and
    arrays nested at most 32 deep and its JSON at most 1,000,000 characters (deeper nesting would exhaust Python's
-   stack in a copy or pickle later); `step_budgets` (version 4; versions 5 and 6 when present) a non-empty list of
+   stack in a copy or pickle later); `step_budgets` (version 4; versions 5 to 7 when present) a non-empty list of
    distinct objects with exactly the fields `bits` (an integer in [1, 8 head_dim]) and `pool` ("head" or "global");
    version 3: `calibration["step_scales"]` an object whose `bits` and `pool` are such a budget;
 6. exactly the eight tensors (version 1), ten (version 2), ten or twelve (versions 3 and 4), or the six layer
    tensors, the eight, the effect weights with the two layer weights where present, and the step scales exactly
    when `step_budgets` is given (version 5), or (version 6) the eight with any of those optional sets as in version
-   5, float32 and (ranks) int32, of the shapes above (step scales
-   `[B, L, H]` with B the number of budgets), agreeing with `model`;
+   5, or (version 7) the version 5 set, float32 and (ranks) int32, of the shapes above (step scales
+   `[B, L, H]` with B the number of budgets; layer tensors of a width `S * D` with `S` >= 2 dividing `L` in version 7,
+   `D` before), agreeing with `model`;
 7. contents (the same checks run when an `Artifact` is constructed in memory, and before `save`):
    every value finite; ranks in [1, d]; each head's eigenvectors orthonormal,
    max |VᵀV - I| <= 1e-4 (computed in float64); eigenvalues sorted descending and >= 0, where a
@@ -123,8 +139,8 @@ head) unless all of the following hold, in this order:
    round-off (negatives that small are clamped to 0 in memory; the file is not changed); effect weights,
    where present, >= 0 and given for keys and values both; step scales, where present, > 0 and given for
    keys and values both; layer bases, where present, given for keys and values both and held to the same
-   rules as the heads' (finite, eigenvalues sorted and >= 0, each layer's eigenvectors orthonormal), with layer
-   weights >= 0 exactly when the heads have effect weights.
+   rules as the heads' (finite, eigenvalues sorted and >= 0, each layer's or span's eigenvectors orthonormal), with
+   layer weights >= 0 exactly when the heads have effect weights, spanning as many layers for keys as for values.
 
 In memory, `Components` tensors may also be float64 (what `calibrate` produces) and ranks int64; the
 file always holds float32 and int32. Loading uses safetensors only: no pickle, no code is executed.
@@ -143,8 +159,8 @@ import torch
 #: the file an artifact directory (and an artifact repo on the Hub) holds
 FILENAME = "patchkv.safetensors"
 #: the newest format this version reads and writes (each file is written at the lowest version that holds it)
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MODES = ("pre_rope", "post_rope")
 KINDS = ("keys", "values")
 #: the fields `apply` checks (dtype is information: bases are cast to the model's dtype at `apply`)
@@ -171,7 +187,7 @@ MAX_BITS = 8
 #: nesting would exhaust Python's stack later, in `copy.deepcopy` (`with_ranks`, `to_dtype`) or pickling
 CALIBRATION_MAX_DEPTH = 32
 CALIBRATION_MAX_CHARS = 1_000_000
-#: the layer bases of a version 5 file (`Components.layer_*`)
+#: the layer bases of a version 5 file, spanning several layers in version 7 (`Components.layer_*`)
 LAYER_NAMES = ("layer_mean", "layer_eigenvalues", "layer_eigenvectors")
 LAYER_WEIGHTS = "layer_weights"
 #: max |VᵀV - I| accepted per head (float32 storage of a float64 eigh is ~1e-7)

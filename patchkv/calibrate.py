@@ -52,6 +52,7 @@ def calibrate(
     fisher_tokens: int = 0,
     fisher_window: int = 32,
     layer_bases: bool = False,
+    layers_per_basis: int = 1,
     retrieval_rows: int = 0,
     retrieval_seq: int = 2048,
 ) -> Artifact:
@@ -85,6 +86,11 @@ def calibrate(
         then one latent that every head reads, which captures what the heads share. Costs a `[D, D]` moment per
         layer (D = kv_heads * head_dim) and `2 * layers * D * D` floats in the file (8.8 MB for SmolLM2, 268 MB
         for an 8-KV-head model of head_dim 128 and 32 layers).
+    layers_per_basis: with `layer_bases`, how many consecutive layers each basis spans (it must divide the layer
+        count): 1 (the default) one per layer; S > 1 one PCA per span of S layers over their heads concatenated
+        (`S * D` dims, artifact format version 7), with effect weights from the span's whole Fisher matrix, cross-layer
+        terms included (KVTC's bases across layers). The file holds `2 * layers * S * D * D` floats (44 MB for SmolLM2
+        at S = 5).
     retrieval_rows: also measure effect weights on this many retrieval rows of `retrieval_seq` tokens each
         (`patchkv.retrieval`: the calibration text with a number hidden in it and asked for after it, the answer's
         loss alone) and mix them with the text's at equal say, so the bit pool also keeps what retrieval reads. One
@@ -96,7 +102,7 @@ def calibrate(
     """
     _check_options(mode=mode, max_tokens=max_tokens, sink_tokens=sink_tokens, seq_len=seq_len,
                    batch_size=batch_size, fisher_tokens=fisher_tokens, fisher_window=fisher_window,
-                   retrieval_rows=retrieval_rows, retrieval_seq=retrieval_seq)
+                   retrieval_rows=retrieval_rows, retrieval_seq=retrieval_seq, layers_per_basis=layers_per_basis)
     text = _retrieval_text(texts_or_dataloader, tokenizer, retrieval_rows, retrieval_seq)
     _check_not_patched(model)
     _check_retrieval_seq(model, retrieval_rows, retrieval_seq)
@@ -107,9 +113,14 @@ def calibrate(
     here = world()
     _check_unsharded(texts_or_dataloader, here)
 
+    span = layers_per_basis if layer_bases else 0
+    if span and len(modules) % span:
+        raise ValueError(f"layers_per_basis={span} must divide the model's {len(modules)} layers; pass one of "
+                         f"{[s for s in range(1, len(modules) + 1) if len(modules) % s == 0]}.")
     stats = {kind: [CovarianceAccumulator(heads, dim) for _ in modules] for kind in ("keys", "values")}
-    layer_stats = {kind: [CovarianceAccumulator(1, heads * dim) for _ in modules] for kind in ("keys", "values")} \
-        if layer_bases else {}
+    layer_stats = {kind: [CovarianceAccumulator(1, span * heads * dim) for _ in range(len(modules) // span)]
+                   for kind in ("keys", "values")} if span else {}
+    spanned: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # the span's layers so far: [n, heads * dim]
     token_mask: list[torch.Tensor] = []  # the current batch's [batch, seq] mask of tokens to count
 
     def collect(attn: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -129,16 +140,20 @@ def calibrate(
                 for kind, x in (("keys", k), ("values", v)):
                     # [batch, heads, seq, dim] -> [heads, n, dim] over the kept tokens
                     stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, token_mask[0].to(x.device)])
-                    if layer_bases:  # [batch, heads, seq, dim] -> [1, n, heads * dim]: the heads concatenated
+                    if span:  # [batch, heads, seq, dim] -> [n, heads * dim]: the heads concatenated
                         kept = x.transpose(1, 2)[token_mask[0].to(x.device)]
-                        layer_stats[kind][attn.layer_idx].add(kept.reshape(1, kept.shape[0], -1))
+                        spanned[kind].append(kept.reshape(kept.shape[0], -1))
+                        if len(spanned[kind]) == span:  # the span's last layer: its layers concatenated (on its device)
+                            whole = torch.cat([part.to(x.device) for part in spanned[kind]], 1)
+                            layer_stats[kind][attn.layer_idx // span].add(whole.unsqueeze(0))
+                            spanned[kind].clear()
         finally:
             if hook is not None:
                 hook.post_forward(attn, None)
 
     hooks = [m.register_forward_pre_hook(collect, with_kwargs=True) for m in modules]
     fisher = FisherCapture(model, adapter, modules, mode=mode, sink_tokens=sink_tokens, window=fisher_window,
-                           layers=layer_bases) \
+                           layers=span) \
         if fisher_tokens else None
     capturing = fisher or contextlib.nullcontext()
     seen = sequences = 0
@@ -183,7 +198,7 @@ def calibrate(
     if seen < 2:
         raise ValueError("Calibration saw fewer than 2 tokens; pass more text (or a smaller sink_tokens).")
     retrieval = _retrieval_fisher(model, adapter, modules, text, tokenizer, rows=retrieval_rows, seq=retrieval_seq,
-                                  mode=mode, sink_tokens=sink_tokens, window=fisher_window, layers=layer_bases,
+                                  mode=mode, sink_tokens=sink_tokens, window=fisher_window, layers=span,
                                   here=here, device=device, progress=progress and here.rank == 0) \
         if retrieval_rows else None
 
@@ -220,7 +235,7 @@ def calibrate(
     calibration = {"source": source or _describe(texts_or_dataloader), "tokens": seen, "sequences": sequences,
                    "seq_len": int(seq_len), "sink_tokens": int(sink_tokens), "rank_selection": selection}
     if layer_bases:
-        calibration["layer_bases"] = True
+        calibration["layer_bases"] = True if span == 1 else {"layers_per_basis": span}
     if fisher_tokens:
         calibration["effect_weights"] = {"tokens": fisher.count, "window": int(fisher_window),
                                          "sink_tokens": int(sink_tokens)}
@@ -238,7 +253,8 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any, batch_size: Any,
-                   fisher_tokens: Any, fisher_window: Any, retrieval_rows: Any = 0, retrieval_seq: Any = 2048) -> None:
+                   fisher_tokens: Any, fisher_window: Any, retrieval_rows: Any = 0, retrieval_seq: Any = 2048,
+                   layers_per_basis: Any = 1) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     for name, value, low, hint in (
@@ -250,6 +266,7 @@ def _check_options(*, mode: str, max_tokens: Any, sink_tokens: Any, seq_len: Any
         ("fisher_window", fisher_window, 0, "the recent window SinksWindow keeps exact, e.g. 32"),
         ("retrieval_rows", retrieval_rows, 0, "0 skips retrieval rows; 16 measures them"),
         ("retrieval_seq", retrieval_seq, 1, "tokens per retrieval row, e.g. 2048"),
+        ("layers_per_basis", layers_per_basis, 1, "1 for one layer basis per layer, 5 for one per 5 layers"),
     ):
         if not _is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__}); "
@@ -340,7 +357,7 @@ def _check_retrieval_seq(model: nn.Module, rows: int, seq: int) -> None:
 
 
 def _retrieval_fisher(model: nn.Module, adapter: Any, modules: list[nn.Module], text: str, tokenizer: Any, *,
-                      rows: int, seq: int, mode: str, sink_tokens: int, window: int, layers: bool, here: World,
+                      rows: int, seq: int, mode: str, sink_tokens: int, window: int, layers: int, here: World,
                       device: torch.device, progress: bool) -> FisherCapture:
     """The Fisher of the answers' loss over `rows` seeded retrieval rows of `text` (`patchkv.retrieval.measure`); row
     r on rank r % world_size, summed over ranks."""

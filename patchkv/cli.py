@@ -185,7 +185,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         artifact = calibrate(model, texts, tokenizer=tokenizer, mode=args.mode, rank=rank, energy=args.energy,
                              max_tokens=args.max_tokens, sink_tokens=args.sink_tokens, seq_len=args.seq_len,
                              fisher_tokens=args.fisher_tokens, fisher_window=args.window,
-                             layer_bases=args.layer_bases, retrieval_rows=args.retrieval_rows,
+                             layer_bases=args.layer_bases, layers_per_basis=args.layers_per_basis,
+                             retrieval_rows=args.retrieval_rows,
                              retrieval_seq=args.retrieval_seq,
                              source=args.data or "patchkv general mix (Python docs prose + Shakespeare)")
         artifact.calibration["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -356,6 +357,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"wrote {out / stem}.{{csv,md{',png' if args.sweep else ''}}}")
 
 
+def _layer_bases(span: int) -> str:
+    """What `info` says of an artifact's layer bases, each spanning `span` layers (0: none)."""
+    if span > 1:
+        return f"yes, each spanning {span} layers (the cache does not code on bases across layers yet)"
+    return "yes (quantized:basis=layer available)" if span else "no"
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     from .artifact import Artifact
 
@@ -364,7 +372,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(f"format version {art.format_version}; effect weights: "
           f"{'yes (quantized:pool=global available)' if art.has_effect_weights else 'no'}; step scales: "
           f"{'yes' if art.has_step_scales else 'no'}; layer bases: "
-          f"{'yes (quantized:basis=layer available)' if art.has_layer_bases else 'no'}")
+          f"{_layer_bases(art.layers_per_basis)}")
     local = expand_user(args.artifact)
     if local.exists():
         from .artifact_format import file_sha256
@@ -444,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layer-bases", action="store_true",
                    help="also calibrate one basis per layer over its KV heads (artifact version 5), for "
                         "--method quantized:basis=layer")
+    c.add_argument("--layers-per-basis", type=positive_int, default=1,
+                   help="with --layer-bases, consecutive layers each basis spans (dividing the layer count; artifact "
+                        "version 7 when more than 1: bases across layers, which the cache does not code on yet)")
     c.add_argument("--window", "--fisher-window", dest="window", type=non_negative_int, default=32,
                    help="recent tokens kept exact, for effect weights and step scales (the window you will apply)")
     c.add_argument("--budgets", type=budget_list, default="4x,8x,16x",  # patchkv.budgets.DEFAULT_BUDGETS

@@ -92,20 +92,25 @@ class FisherCapture:
             fisher.step(input_ids, attention_mask, position_ids)    # one [1, seq] row at a time
         fisher.keys, fisher.values   # float64 [layers, kv_heads, head_dim, head_dim] sums; fisher.count tokens
 
-    With `layers=True` it also accumulates each layer's whole Fisher matrix over its KV heads concatenated,
-    `fisher.layer_keys`, `fisher.layer_values` float64 `[layers, D, D]` (D = kv_heads * head_dim; the per-head
-    matrices are its diagonal blocks), for the effect weights of layer bases.
+    With `layers=S` >= 1 it also accumulates the whole Fisher matrix of each span of S consecutive layers over their
+    KV heads concatenated, `fisher.layer_keys`, `fisher.layer_values` float64 `[layers / S, S * D, S * D]`
+    (D = kv_heads * head_dim; the per-head matrices are its diagonal blocks, and with S > 1 it holds the cross-layer
+    terms), for the effect weights of layer bases (S = 1: one per layer).
     """
 
     def __init__(self, model: nn.Module, adapter: AttentionAdapter, modules: list[nn.Module], *, mode: str,
-                 sink_tokens: int, window: int, layers: bool = False):
+                 sink_tokens: int, window: int, layers: int = 0):
         self.model, self.adapter, self.modules = model, adapter, modules
         self.sink_tokens, self.window = sink_tokens, window
         heads, dim = adapter.num_kv_heads(modules[0]), adapter.head_dim(modules[0])
         self.keys = torch.zeros(len(modules), heads, dim, dim, dtype=torch.float64)
         self.values = torch.zeros_like(self.keys)
-        width = heads * dim
-        self.layer_keys = torch.zeros(len(modules), width, width, dtype=torch.float64) if layers else None
+        self.span, width = int(layers), int(layers) * heads * dim
+        if self.span and len(modules) % self.span:
+            raise ValueError(f"layer bases spanning {self.span} layers need a layer count divisible by it; the model "
+                             f"has {len(modules)}.")
+        groups = len(modules) // self.span if self.span else 0
+        self.layer_keys = torch.zeros(groups, width, width, dtype=torch.float64) if layers else None
         self.layer_values = torch.zeros_like(self.layer_keys) if layers else None
         self.count = 0
         self.row: dict[str, Any] | None = None  # the row being measured: masks and perturbations
@@ -135,7 +140,8 @@ class FisherCapture:
 
     def sums(self) -> dict[str, Any]:
         """What was measured so far: the Fisher sums "keys", "values" (float64 `[layers, kv_heads, d, d]`),
-        "layer_keys", "layer_values" (`[layers, D, D]`, None without `layers`) and the "count" of tokens summed."""
+        "layer_keys", "layer_values" (`[layers / S, S * D, S * D]`, None without `layers`) and the "count" of tokens
+        summed."""
         return {"keys": self.keys, "values": self.values, "layer_keys": self.layer_keys,
                 "layer_values": self.layer_values, "count": self.count}
 
@@ -178,18 +184,26 @@ class FisherCapture:
                     grads = torch.autograd.grad(loss, [d for pair in deltas for d in pair], allow_unused=True)
         finally:
             self.row = None
-        keep = counted[0]
-        for layer in range(len(self.modules)):
+        keep, n = counted[0], int(counted[0].sum())
+        heads, dim = self.keys.shape[1], self.keys.shape[2]
+        flat = {"keys": [], "values": []}  # each layer's [n, kv_heads * head_dim] gradients (None: the loss does
+        for layer in range(len(self.modules)):  # not reach its cache), for the layer bases
             for kind, g in (("keys", grads[2 * layer]), ("values", grads[2 * layer + 1])):
-                if g is None:
+                if g is not None:
+                    g = g[0][:, keep.to(g.device)].double()                    # [kv_heads, n, head_dim]
+                    getattr(self, kind)[layer] += (g.mT @ g).cpu()
+                flat[kind].append(None if g is None else g.transpose(0, 1).reshape(n, heads * dim))
+        for kind in ("keys", "values") if self.span else ():
+            whole = getattr(self, f"layer_{kind}")
+            for group in range(whole.shape[0]):
+                parts = flat[kind][group * self.span:(group + 1) * self.span]
+                device = next((p.device for p in parts if p is not None), None)  # the span's last layer's may differ
+                if device is None:
                     continue
-                g = g[0][:, keep.to(g.device)].double()                        # [kv_heads, n, head_dim]
-                getattr(self, kind)[layer] += (g.mT @ g).cpu()
-                whole = getattr(self, f"layer_{kind}")
-                if whole is not None:                                          # [n, kv_heads * head_dim]
-                    flat = g.transpose(0, 1).reshape(g.shape[1], -1)
-                    whole[layer] += (flat.T @ flat).cpu()
-        self.count += int(keep.sum())
+                span = torch.cat([torch.zeros(n, heads * dim, dtype=torch.float64, device=device) if p is None
+                                  else p.to(device) for p in parts], dim=1)    # [n, S * kv_heads * head_dim]
+                whole[group] += (span.T @ span).cpu()
+        self.count += n
         return loss.item()
 
 

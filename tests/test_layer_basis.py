@@ -145,7 +145,7 @@ def test_the_layer_fisher_matrix_holds_the_heads_fisher_matrices_as_its_diagonal
     adapter = adapter_for(model)
     modules = attention_modules(model, adapter)
     ids = calibration_ids(2, 24, seed=4)
-    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=2, window=4, layers=True) as fisher:
+    with FisherCapture(model, adapter, modules, mode="pre_rope", sink_tokens=2, window=4, layers=1) as fisher:
         for row in range(2):
             one = ids[row:row + 1]
             fisher.step(one, torch.ones_like(one), torch.arange(24)[None], torch.ones_like(one, dtype=torch.bool),

@@ -90,7 +90,7 @@ def test_calibrate_mixes_the_retrieval_rows_effect_and_nothing_else(tokenizer, t
     # the oracle: the answers' Fisher measured by hand on the same rows
     adapter = adapter_for(model)
     with torch.no_grad(), FisherCapture(model, adapter, attention_modules(model, adapter), mode="pre_rope",
-                                        sink_tokens=SINKS, window=WINDOW, layers=True) as fisher:
+                                        sink_tokens=SINKS, window=WINDOW, layers=1) as fisher:
         for seed in range(3):
             ids, answer = retrieval_row(tokenizer, text, SEQ, seed)
             positions = torch.arange(ids.shape[1]).unsqueeze(0)

@@ -43,8 +43,8 @@ def test_the_artifact_records_each_layers_window(sliding, tmp_path):
 
 
 @pytest.mark.parametrize("edit, fragment", [
-    (lambda meta: meta.update(format_version=5), "exactly in format version 6"),
-    (lambda meta: meta["model"].pop("sliding_windows"), "exactly in format version 6"),
+    (lambda meta: meta.update(format_version=5), "always in format version 6"),
+    (lambda meta: meta["model"].pop("sliding_windows"), "always in format version 6"),
     (lambda meta: meta["model"].update(sliding_windows=[None, None]), "at least one an integer"),
     (lambda meta: meta["model"].update(sliding_windows=[10]), "each of the 2"),
     (lambda meta: meta["model"].update(sliding_windows=[0, None]), "positive integer"),

@@ -145,6 +145,10 @@ class Quantized(CodecMethod):
         return out
 
     def _layer_codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
+        if artifact.layers_per_basis > 1:
+            raise ValueError(f"basis='layer' codes on one basis per layer, and this artifact's layer bases span "
+                             f"{artifact.layers_per_basis} layers (format version 7), which the cache cannot code on "
+                             "yet: calibrate with layers_per_basis=1 (`--layers-per-basis 1`), or use basis='head'.")
         allocation = layer_bit_allocation(artifact, self.bits, self.pool, self.context)  # refuses one without them
         scales = step_scales_for(artifact, self.bits, self.pool)
         heads = artifact.num_kv_heads
