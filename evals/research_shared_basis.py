@@ -46,6 +46,11 @@ N 4k documents of each perplexity task fed 64 tokens a forward through the model
 forward, every token past the 4 sinks that has left the last 32 is replaced by its reconstruction from codes (the
 keys and values that forward computed, coded as for the needles): what patchkv's cache holds, on each grouping's
 bases. `shipped` must reproduce the suite's `16x` / `32x` records of the same documents.
+
+Grouping `spanned` (with `--spanned ARTIFACT`) codes on the layer bases of an artifact calibrated with
+`layers_per_basis=S` (`python -m evals calibrate --layer-bases-only --layers-per-basis S`): PCA on the calibration's
+65k tokens and effect weights from the span's whole Fisher matrix, cross-layer terms measured, where `layersS`
+fits its bases on `--fit-rows` rows and builds its weights from the heads' Fisher matrices alone.
 """
 
 from __future__ import annotations
@@ -56,8 +61,12 @@ from pathlib import Path
 
 import torch
 
+import patchkv
 from patchkv.adapters import adapter_for
-from patchkv.allocation import allocate_bits_global
+from patchkv.allocation import allocate_bits_global, step_scales_for
+from patchkv.artifact_format import file_sha256
+from patchkv.budgets import parse_budget
+from patchkv.methods import Quantized
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
@@ -172,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="documents per domain for the simulated perplexity read 64 tokens a forward (only)")
     p.add_argument("--needle-budgets", default="16x,32x", help="the budgets of --needles and --chunked-docs")
     p.add_argument("--needle-groupings", default=",".join(("shipped", *GROUPINGS)),
-                   help="the groupings of --needles and --chunked-docs")
+                   help="the groupings of --needles and --chunked-docs (and 'spanned': the bases of --spanned)")
+    p.add_argument("--spanned", default="",
+                   help="an artifact whose layer bases span several layers (format version 7), for grouping 'spanned'")
     args = parse(p, argv)
     if args.needles or args.chunked_docs:
         if args.needles:
@@ -247,11 +258,14 @@ class Capture:
         return out
 
 
-def grouped_bases(model, tokenizer, artifact, groupings: list[str], fit_rows: int) -> dict:
-    """(kind, grouping) -> (fitted bases as `bases` returns them, each group's effect weights): `shipped` the
-    artifact's own, the others fitted on `fit_rows` rows of the calibration mix (module doc)."""
+def grouped_bases(model, tokenizer, artifact, groupings: list[str], fit_rows: int, spanned=None) -> dict:
+    """(kind, grouping) -> (fitted bases as `bases` returns them, each group's effect weights, the form `quantized`
+    groups by): `shipped` the artifact's own, `spanned` the layer bases and layer weights of the artifact `spanned`
+    (`calibrate(..., layers_per_basis=S)`: PCA and Fisher matrices over S layers, cross-layer terms measured), the
+    others fitted on `fit_rows` rows of the calibration mix (module doc)."""
     layers, heads, head_dim = artifact.keys.eigenvalues.shape
-    fit = cached_vectors(model, calibration_rows(tokenizer, fit_rows)) if set(groupings) - {"shipped"} else None
+    fit = cached_vectors(model, calibration_rows(tokenizer, fit_rows)) \
+        if set(groupings) - {"shipped", "spanned"} else None
     out = {}
     for kind in ("keys", "values"):
         c = getattr(artifact, kind)
@@ -260,31 +274,31 @@ def grouped_bases(model, tokenizer, artifact, groupings: list[str], fit_rows: in
         for grouping in groupings:
             if grouping == "shipped":
                 out[kind, grouping] = ([(mean[l, h], lam[l, h], vec[l, h]) for l in range(layers)
-                                        for h in range(heads)], list(w.reshape(layers * heads, head_dim)))
+                                        for h in range(heads)], list(w.reshape(layers * heads, head_dim)), "head")
+            elif grouping == "spanned":
+                s = getattr(spanned, kind)
+                span = [t.double() for t in (s.layer_mean, s.layer_eigenvalues, s.layer_eigenvectors)]
+                out[kind, grouping] = (list(zip(*span)), list(s.layer_weights.double()),
+                                       f"layers{spanned.layers_per_basis}")
             else:
                 fitted = bases(fit[kind], grouping, head_dim)
-                out[kind, grouping] = (fitted, group_weights(fitted, grouping, fisher))
+                out[kind, grouping] = (fitted, group_weights(fitted, grouping, fisher), grouping)
     return out
 
 
 def coder(artifact, grouped: dict, grouping: str, budget: str):
     """(bits per head, read, code): `code(keys, values)` `[tokens, layers, width]` -> their reconstructions from codes
     on `grouping`'s bases at `budget`'s bits (allocated by effect over keys and values together, the artifact's step
-    scale for the budget); `read` the coded coefficients one query head reads per token and layer, keys and values
+    scale for the budget, 1 without one); `read` the coded coefficients one query head reads per token and layer, keys and values
     together (its KV head's on per-head bases, its group's on shared ones), averaged over layers: the work of a decode
     step that scores and sums in the latent space."""
-    from patchkv.allocation import step_scales_for
-    from patchkv.budgets import parse_budget
-    from patchkv.methods import Quantized
-
     layers, heads, head_dim = artifact.keys.eigenvalues.shape
     bits = next(m.bits for m in parse_budget(budget).methods(artifact, 4096) if isinstance(m, Quantized))
-    scales = [float(s.mean()) for s in step_scales_for(artifact, bits, "global")]
-    (kb, kw), (vb, vw) = grouped["keys", grouping], grouped["values", grouping]
+    scales = [float(s.mean()) for s in step_scales_for(artifact, bits, "global") or (torch.ones(1), torch.ones(1))]
+    (kb, kw, form), (vb, vw, _) = grouped["keys", grouping], grouped["values", grouping]
     cost = torch.cat([lam * w.clamp_min(0) for (_, lam, _), w in zip(kb + vb, kw + vw)])
     allocated = allocate_bits_global(cost, bits * layers * heads * 2)
     split = sum(lam.numel() for _, lam, _ in kb)
-    form = "head" if grouping == "shipped" else grouping
     coded = [int((b > 0).sum()) for b in allocated.split([lam.numel() for _, lam, _ in kb + vb])]
     read = sum(coded) / len(kb)   # every layer of a group (a head: one) reads the group's keys and values
 
@@ -313,17 +327,28 @@ def coded_runs(args) -> tuple:
     model, tokenizer = load_smollm2(models_dtype())
     artifact = load_artifacts()["pre_rope"]
     groupings = args.needle_groupings.split(",")
-    grouped = grouped_bases(model, tokenizer, artifact, groupings, args.fit_rows)
+    if "spanned" in groupings and not args.spanned:
+        raise SystemExit("grouping 'spanned' codes on the layer bases of --spanned ARTIFACT; pass one (calibrated with "
+                         "`python -m evals calibrate --layer-bases-only --layers-per-basis 5 ...`).")
+    spanned = patchkv.Artifact.load(args.spanned) if args.spanned else None
+    grouped = grouped_bases(model, tokenizer, artifact, groupings, args.fit_rows, spanned)
     return model, tokenizer, artifact, {(budget, grouping): coder(artifact, grouped, grouping, budget)
                                         for budget in args.needle_budgets.split(",") for grouping in groupings}
+
+
+def inputs(args) -> dict:
+    """What a simulation's results were made from, beyond the command: the rows the fitted bases were fitted on and
+    the `--spanned` artifact's file hash and span."""
+    out = {"fit_rows": args.fit_rows}
+    if args.spanned:
+        out["spanned"] = {"file_sha256": file_sha256(args.spanned),
+                          "layers_per_basis": patchkv.Artifact.load(args.spanned).layers_per_basis}
+    return out
 
 
 def dropped(model, artifact, budget: str, context: torch.Tensor) -> list[torch.Tensor] | None:
     """Per layer, bool `[n]`: the tokens of `context` `[1, n]` that patchkv's cache under `budget` dropped after
     reading it in one forward (its `Evict`'s choice, as the suite's `16x-evict` makes it); None without `Evict`."""
-    import patchkv
-    from patchkv.budgets import parse_budget
-
     methods = parse_budget(budget).methods(artifact, 4096)
     if not any(isinstance(m, patchkv.Evict) for m in methods):
         return None
@@ -390,7 +415,7 @@ def needles(args) -> None:
             rows.append({"grouping": grouping, "budget": budget, "bits_per_head": bits, "index": sample["index"],
                          "score": ruler_score(sample, answer), "prediction": answer[:40]})
             print(rows[-1], flush=True)
-    write_csv(rows, args.out / "shared_basis_needles.csv", extra={"fit_rows": args.fit_rows})
+    write_csv(rows, args.out / "shared_basis_needles.csv", extra=inputs(args))
 
 
 @torch.no_grad()
@@ -433,7 +458,7 @@ def chunked_perplexity(args) -> None:
                              "ppl": round(math.exp(nll / count), 4),
                              "vs_unpatched": round(math.exp((nll - base) / count) - 1, 5)})
                 print(rows[-1], flush=True)
-    write_csv(rows, args.out / "shared_basis_chunked_ppl.csv", extra={"fit_rows": args.fit_rows})
+    write_csv(rows, args.out / "shared_basis_chunked_ppl.csv", extra=inputs(args))
 
 
 def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:

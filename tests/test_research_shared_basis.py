@@ -1,7 +1,8 @@
 """The simulations behind `python -m evals shared-basis --needles / --chunked-docs`: group effect weights carry each
 head's Fisher to any grouping, the captured keys rotate into exactly what the cache holds, a coder that changes
 nothing leaves the chunked perplexity exact (so what the simulations measure is the codes), and the tokens an
-`Evict` drops are found and kept out of every query's reach."""
+`Evict` drops are found and kept out of every query's reach; the `spanned` grouping codes on a calibrated artifact's
+bases across layers."""
 
 import math
 
@@ -9,7 +10,8 @@ import torch
 from conftest import calibration_ids, make_model
 
 import patchkv
-from evals.research_shared_basis import Capture, Masked, bases, coded_nll, dropped, group_weights, write_codes
+from evals.research_shared_basis import (Capture, Masked, bases, coded_nll, coder, dropped, group_weights,
+                                         grouped_bases, write_codes)
 
 
 def head_fisher(layers=2, heads=2, dim=8, seed=0):
@@ -99,3 +101,23 @@ def test_dropped_is_what_the_caches_evict_drops_and_masked_hides_it():
         unmasked = model(input_ids=question, cache=cache, use_cache=True).logits
     torch.testing.assert_close(masked, again)
     assert not torch.allclose(unmasked, again, atol=1e-3)
+
+
+def test_the_spanned_grouping_codes_on_the_artifacts_bases_across_layers():
+    model = make_model("llama")
+    artifact = patchkv.calibrate(model, calibration_ids(), rank=16, sink_tokens=2, fisher_tokens=128, fisher_window=4,
+                                 layer_bases=True, layers_per_basis=2, progress=False)
+    grouped = grouped_bases(model, None, artifact, ["spanned"], 0, artifact)
+    fitted, weights, form = grouped["keys", "spanned"]
+    assert form == "layers2" and len(fitted) == 1 and torch.equal(weights[0], artifact.keys.layer_weights[0].double())
+    torch.testing.assert_close(fitted[0][2], artifact.keys.layer_eigenvectors[0].double())
+    with torch.no_grad(), Capture(model) as capture:
+        model(input_ids=calibration_ids(1, 60, seed=7))
+    clean = capture.take()
+    errors = []
+    for budget in ("2x", "16x"):
+        bits, read, code = coder(artifact, grouped, "spanned", budget)
+        keys, values = code(clean["keys"], clean["values"])
+        assert keys.shape == clean["keys"].shape and read > 0
+        errors.append(float((keys - clean["keys"]).norm() / clean["keys"].norm()))
+    assert errors[0] < 0.1 < errors[1]     # 2x codes the span's latent nearly exactly, 16x coarsely
