@@ -83,22 +83,12 @@ GROUPINGS = ("head", "layer", "layers2", "layers5", "layers30")
 @torch.no_grad()
 def cached_vectors(model, rows: torch.Tensor, sinks: int = 4) -> dict[str, torch.Tensor]:
     """{"keys", "values"}: float64 `[tokens, layers, kv_heads * head_dim]` of `rows` `[n, seq]`, sinks left out."""
-    caught: dict[str, list] = {"keys": [], "values": []}
-    hooks = [getattr(layer.self_attn, proj).register_forward_hook(
-        lambda m, i, o, kind=kind: caught[kind].append(o.detach().double()))
-        for layer in model.model.layers for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
     out: dict[str, list] = {"keys": [], "values": []}
-    try:
+    with Capture(model) as capture:
         for start in range(0, rows.shape[0], 4):
-            for kind in caught:
-                caught[kind].clear()
             model(rows[start:start + 4])
-            for kind, got in caught.items():
-                x = torch.stack(got)[:, :, sinks:]                      # [layers, batch, seq, width]
-                out[kind].append(x.reshape(x.shape[0], -1, x.shape[-1]).transpose(0, 1))
-    finally:
-        for h in hooks:
-            h.remove()
+            for kind, x in capture.take().items():                     # [batch, seq, layers, width]
+                out[kind].append(x[:, sinks:].reshape(-1, *x.shape[2:]))
     return {kind: torch.cat(v) for kind, v in out.items()}
 
 
@@ -235,14 +225,14 @@ def group_weights(fitted: list, grouping: str, fisher: torch.Tensor) -> list[tor
 
 class Capture:
     """The k_proj and v_proj outputs (pre-RoPE keys, values) of every layer while active; `take()` returns those of
-    the forwards since the last take, float64 `[tokens, layers, width]` each (batch 1)."""
+    the forwards since the last take (of one batch size), float64 `[batch, tokens, layers, width]` each."""
 
     def __init__(self, model):
         self.model, self.got = model, {"keys": [], "values": []}
 
     def __enter__(self) -> Capture:
         self.hooks = [getattr(layer.self_attn, proj).register_forward_hook(
-            lambda m, i, o, kind=kind: self.got[kind].append(o[0].double()))
+            lambda m, i, o, kind=kind: self.got[kind].append(o.detach().double()))
             for layer in self.model.model.layers for proj, kind in (("k_proj", "keys"), ("v_proj", "values"))]
         return self
 
@@ -252,7 +242,7 @@ class Capture:
 
     def take(self) -> dict[str, torch.Tensor]:
         layers = len(self.model.model.layers)
-        out = {kind: torch.cat([torch.stack(got[f:f + layers], 1) for f in range(0, len(got), layers)])
+        out = {kind: torch.cat([torch.stack(got[f:f + layers], 2) for f in range(0, len(got), layers)], 1)
                for kind, got in self.got.items()}
         self.got = {"keys": [], "values": []}
         return out
@@ -356,7 +346,7 @@ def dropped(model, artifact, budget: str, context: torch.Tensor) -> list[torch.T
         cache = model(input_ids=context, use_cache=True, logits_to_keep=1).cache
     out = []
     for layer in cache.layers:
-        held = layer._columns()   # the sequence index of every token the layer holds; None: all of them
+        held = layer.columns()   # the sequence index of every token the layer holds; None: all of them
         gone = torch.zeros(context.shape[1], dtype=torch.bool)
         if held is not None:
             gone[:] = True
@@ -402,7 +392,7 @@ def needles(args) -> None:
         with Capture(model) as capture:
             cache = model(input_ids=context, use_cache=True, logits_to_keep=1).cache
         n = len(sample["context_ids"])
-        clean = {kind: x[SINKS:n - WINDOW] for kind, x in capture.take().items()}
+        clean = {kind: x[0, SINKS:n - WINDOW] for kind, x in capture.take().items()}
         exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         for (budget, grouping), (bits, _, code) in coders.items():
             for layer, (k, v) in zip(cache.layers, exact):
@@ -433,7 +423,7 @@ def coded_nll(model, ids: torch.Tensor, code, chunk: int = 64) -> tuple[float, i
             logprobs = out.logits[:, :targets.shape[1]].float().log_softmax(-1)
             total -= float(logprobs.gather(-1, targets.unsqueeze(-1)).sum())
             count += targets.numel()
-            new = capture.take()
+            new = {kind: x[0] for kind, x in capture.take().items()}
             clean = new if clean is None else {kind: torch.cat([clean[kind], x]) for kind, x in new.items()}
             end = start + step.shape[1] - WINDOW
             if code is not None and end > coded:

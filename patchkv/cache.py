@@ -448,7 +448,7 @@ class LatentLayer(CacheLayerMixin):
                 for kind in ("keys", "values"):
                     t[f"{region}_{kind}"] = t[f"{region}_{kind}"][:, :, drop:]
         ns, nn, nr = t["sink_keys"].shape[2], t["near_keys"].shape[2], t["recent_keys"].shape[2]
-        columns = self._columns() if kept == self.kept else None  # a sliding layer (which drops none) may cut some
+        columns = self.columns() if kept == self.kept else None  # a sliding layer (which drops none) may cut some
         positions = self._positions(kept) if columns is None else \
             self.track.positions[:, :self.cumulative_length].gather(1, columns)
         sink_pos, middle_pos, near_pos, window_pos = positions.split([ns, kept - ns - nn - nr, nn, nr], dim=1)
@@ -468,7 +468,7 @@ class LatentLayer(CacheLayerMixin):
             seen.salient_positions = coded_pos.unsqueeze(1).expand(-1, index.shape[1], -1).gather(2, index)
         return seen
 
-    def _columns(self) -> torch.Tensor | None:
+    def columns(self) -> torch.Tensor | None:
         """Where `Evict` has dropped tokens: the index in the sequence (the mask's column) of every token held,
         sinks, coded tokens (the bitmap's set bits) and window, int64 `[batch, kept]`; None where every token seen is
         held, in order."""

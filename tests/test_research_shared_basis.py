@@ -10,8 +10,8 @@ import torch
 from conftest import calibration_ids, make_model
 
 import patchkv
-from evals.research_shared_basis import (Capture, Masked, bases, coded_nll, coder, dropped, group_weights,
-                                         grouped_bases, write_codes)
+from evals.research_shared_basis import (Capture, Masked, bases, cached_vectors, coded_nll, coder, dropped,
+                                         group_weights, grouped_bases, write_codes)
 
 
 def head_fisher(layers=2, heads=2, dim=8, seed=0):
@@ -56,7 +56,7 @@ def test_capture_and_write_codes_rebuild_the_cache_the_model_wrote():
     with torch.no_grad(), Capture(model) as capture:
         cache = model(input_ids=ids[:, :12], use_cache=True).cache
         model(input_ids=ids[:, 12:], cache=cache, use_cache=True)
-    clean = capture.take()
+    clean = {kind: x[0] for kind, x in capture.take().items()}
     assert clean["keys"].shape == (20, 2, 2 * 16)
     exact = [layer.keys.clone() for layer in cache.layers]
     for layer in cache.layers:
@@ -64,6 +64,16 @@ def test_capture_and_write_codes_rebuild_the_cache_the_model_wrote():
     write_codes(model, cache, clean["keys"][5:], clean["values"][5:], 5)
     for layer, keys in zip(cache.layers, exact):
         torch.testing.assert_close(layer.keys, keys, atol=1e-5, rtol=0)
+
+
+def test_cached_vectors_of_a_batch_are_those_of_its_rows_in_order():
+    model = make_model("llama")
+    rows = calibration_ids(3, 12, seed=8)
+    batched = cached_vectors(model, rows, sinks=2)
+    assert batched["keys"].shape == (3 * 10, 2, 2 * 16)
+    for kind in ("keys", "values"):
+        one_by_one = torch.cat([cached_vectors(model, rows[r:r + 1], sinks=2)[kind] for r in range(3)])
+        torch.testing.assert_close(batched[kind], one_by_one)
 
 
 def test_a_coder_that_changes_nothing_leaves_the_chunked_perplexity_exact():
@@ -113,7 +123,7 @@ def test_the_spanned_grouping_codes_on_the_artifacts_bases_across_layers():
     torch.testing.assert_close(fitted[0][2], artifact.keys.layer_eigenvectors[0].double())
     with torch.no_grad(), Capture(model) as capture:
         model(input_ids=calibration_ids(1, 60, seed=7))
-    clean = capture.take()
+    clean = {kind: x[0] for kind, x in capture.take().items()}
     errors = []
     for budget in ("2x", "16x"):
         bits, read, code = coder(artifact, grouped, "spanned", budget)
