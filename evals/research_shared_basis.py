@@ -279,9 +279,9 @@ def grouped_bases(model, tokenizer, artifact, groupings: list[str], fit_rows: in
 def coder(artifact, grouped: dict, grouping: str, budget: str):
     """(bits per head, read, code): `code(keys, values)` `[tokens, layers, width]` -> their reconstructions from codes
     on `grouping`'s bases at `budget`'s bits (allocated by effect over keys and values together, the artifact's step
-    scale for the budget, 1 without one); `read` the coded coefficients one query head reads per token and layer, keys and values
-    together (its KV head's on per-head bases, its group's on shared ones), averaged over layers: the work of a decode
-    step that scores and sums in the latent space."""
+    scale for the budget, 1 without one); `read` the coded coefficients one query head reads per token and layer,
+    keys and values together (its KV head's on per-head bases, its group's on shared ones), averaged over layers:
+    the work of a decode step that scores and sums in the latent space."""
     layers, heads, head_dim = artifact.keys.eigenvalues.shape
     bits = next(m.bits for m in parse_budget(budget).methods(artifact, 4096) if isinstance(m, Quantized))
     scales = [float(s.mean()) for s in step_scales_for(artifact, bits, "global") or (torch.ones(1), torch.ones(1))]
