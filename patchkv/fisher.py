@@ -192,7 +192,8 @@ class FisherCapture:
                 if g is not None:
                     g = g[0][:, keep.to(g.device)].double()                    # [kv_heads, n, head_dim]
                     getattr(self, kind)[layer] += (g.mT @ g).cpu()
-                flat[kind].append(None if g is None else g.transpose(0, 1).reshape(n, heads * dim))
+                if self.span:
+                    flat[kind].append(None if g is None else g.transpose(0, 1).reshape(n, heads * dim))
         for kind in ("keys", "values") if self.span else ():
             whole = getattr(self, f"layer_{kind}")
             for group in range(whole.shape[0]):
