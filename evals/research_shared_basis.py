@@ -313,7 +313,8 @@ def write_codes(model, cache, keys: torch.Tensor, values: torch.Tensor, start: i
 
 
 def coded_runs(args) -> tuple:
-    """(model, tokenizer, the artifact, {(budget, grouping): (bits, read, code)}) for the simulations."""
+    """(model, tokenizer, the artifact, {(budget, grouping): (bits, read, code)}, the `--spanned` artifact or None)
+    for the simulations."""
     model, tokenizer = load_smollm2(models_dtype())
     artifact = load_artifacts()["pre_rope"]
     groupings = args.needle_groupings.split(",")
@@ -323,16 +324,15 @@ def coded_runs(args) -> tuple:
     spanned = patchkv.Artifact.load(args.spanned) if args.spanned else None
     grouped = grouped_bases(model, tokenizer, artifact, groupings, args.fit_rows, spanned)
     return model, tokenizer, artifact, {(budget, grouping): coder(artifact, grouped, grouping, budget)
-                                        for budget in args.needle_budgets.split(",") for grouping in groupings}
+                                        for budget in args.needle_budgets.split(",") for grouping in groupings}, spanned
 
 
-def inputs(args) -> dict:
+def inputs(args, spanned) -> dict:
     """What a simulation's results were made from, beyond the command: the rows the fitted bases were fitted on and
-    the `--spanned` artifact's file hash and span."""
+    the `--spanned` artifact's file hash and span (`spanned`, the artifact as loaded, or None)."""
     out = {"fit_rows": args.fit_rows}
-    if args.spanned:
-        out["spanned"] = {"file_sha256": file_sha256(args.spanned),
-                          "layers_per_basis": patchkv.Artifact.load(args.spanned).layers_per_basis}
+    if spanned is not None:
+        out["spanned"] = {"file_sha256": file_sha256(args.spanned), "layers_per_basis": spanned.layers_per_basis}
     return out
 
 
@@ -382,7 +382,7 @@ class Masked:
 @torch.no_grad()
 def needles(args) -> None:
     """`shared_basis_needles.csv`: needle_text scores per grouping and budget, by simulation (module doc)."""
-    model, tokenizer, artifact, coders = coded_runs(args)
+    model, tokenizer, artifact, coders, spanned = coded_runs(args)
     rows = []
     samples = TASKS["needle_text"].samples(4096, args.needles, SMOLLM2)
     chosen = [int(i) for i in args.needle_indices.split(",")] if args.needle_indices else range(len(samples))
@@ -405,7 +405,7 @@ def needles(args) -> None:
             rows.append({"grouping": grouping, "budget": budget, "bits_per_head": bits, "index": sample["index"],
                          "score": ruler_score(sample, answer), "prediction": answer[:40]})
             print(rows[-1], flush=True)
-    write_csv(rows, args.out / "shared_basis_needles.csv", extra=inputs(args))
+    write_csv(rows, args.out / "shared_basis_needles.csv", extra=inputs(args, spanned))
 
 
 @torch.no_grad()
@@ -434,7 +434,7 @@ def coded_nll(model, ids: torch.Tensor, code, chunk: int = 64) -> tuple[float, i
 
 def chunked_perplexity(args) -> None:
     """`shared_basis_chunked_ppl.csv`: perplexity per grouping and budget, read 64 tokens a forward, by simulation."""
-    model, tokenizer, artifact, coders = coded_runs(args)
+    model, tokenizer, artifact, coders, spanned = coded_runs(args)
     rows = []
     for domain in ("prose", "shakespeare", "milton"):
         task = TASKS[f"ppl_{domain}"]
@@ -448,7 +448,7 @@ def chunked_perplexity(args) -> None:
                              "ppl": round(math.exp(nll / count), 4),
                              "vs_unpatched": round(math.exp((nll - base) / count) - 1, 5)})
                 print(rows[-1], flush=True)
-    write_csv(rows, args.out / "shared_basis_chunked_ppl.csv", extra=inputs(args))
+    write_csv(rows, args.out / "shared_basis_chunked_ppl.csv", extra=inputs(args, spanned))
 
 
 def simulate(model, tokenizer, fitted_bases: dict, args, path: Path) -> None:
