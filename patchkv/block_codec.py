@@ -211,6 +211,10 @@ class BlockCodec:
         self.artifact, self.method, self.dtype, self.sink_tokens = artifact, method, dtype, sink_tokens
         self.rotations = rotations if artifact.mode == "pre_rope" else None
         codecs = method.codecs(artifact, [1] * artifact.num_layers, torch.float32)
+        if codecs[0][0].span > 1:
+            raise ValueError(f"{method.spec()} codes on layer bases spanning {codecs[0][0].span} layers, and a block "
+                             "holds each layer's codes on its own: use basis='head', or an artifact calibrated with "
+                             "layers_per_basis=1.")
         self.layers = [LayerCodes(k, v) for k, v in codecs]
         self.token_bytes = sum(layer.token_bytes for layer in self.layers)
         #: bytes of one exact sink token, keys and values of every layer

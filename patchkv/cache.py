@@ -52,6 +52,14 @@ what it holds: the mode is read where operands are assembled (`patchkv.operands`
 the read-only `keys`/`values` views) and by the attention path (a salience method's `Observation.read_keys`), never
 here.
 
+On layer bases across layers (codecs whose `span` is S > 1, artifact format version 7) one code per token serves S
+consecutive layers, made from their keys (or values) concatenated. The span's last layer (its `owner`) holds the
+span's middle; each other layer of the span (a member) holds none of its own and reads the owner's (`middle`)
+through its own rows of the span's basis. A member's tokens leaving its window are `parked` with the owner, which
+codes them with its own in one go (`_code`); layers run in order, so the span's middle is whole at every forward's
+start, and nothing reads a member between its forward and the owner's. Bytes are counted once, at the owner; whole-
+cache operations touch each layer's own tensors, and `crop` leaves the span's middle to the owner (cropped last).
+
 A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
 and a patched model refuses a cache written under another patch, or any other cache (`check_cache`, the one check
 the decoder's guard and the attention path both call). An unpatched model writing into it
@@ -152,6 +160,10 @@ class LatentLayer(CacheLayerMixin):
         self.pending = 0  # `Evict`: the last tokens to leave the window, coded as they left and not yet ranked
         self.record_past = False
         self.device: torch.device | None = None
+        # a basis across layers (its codecs' `span` > 1): each member's middle is its span's, held by the span's last
+        # layer (`owner`), which codes the tokens its members `parked` this forward with its own (see the module doc)
+        self.owner: LatentLayer | None = None
+        self.parked: list[list[torch.Tensor]] = []
 
     # ----- the layer contract -------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None,
@@ -186,7 +198,7 @@ class LatentLayer(CacheLayerMixin):
             self.tensors.update(no_kept(keys))
             for name, codec in zip(("latent_keys", "latent_values", *NEAR), (self.patch.keys, self.patch.values,
                                                                              self.patch.near_keys, self.patch.near_values)):
-                self.tensors[name] = codec.encode(empty[name.split("_")[1]])
+                self.tensors[name] = codec.empty(keys)
             self.device, self.is_initialized = keys.device, True
         t = self.tensors
         if t[WINDOW_SCALE].shape[-1]:  # an int8 / int4 window: this forward reads it, and its own tokens, as the model
@@ -225,13 +237,19 @@ class LatentLayer(CacheLayerMixin):
         start, passed = self.coded_len, self.passed  # the leaving tokens' first coded index (middle, then near tokens,
         # in position order); the tokens that left the window before them
         exact = [t[f"recent_{kind}"][:, :, :leaving] for kind in ("keys", "values")]
+        if self.owner is not None:  # a span member: the span's last layer codes these with its own
+            self.owner.parked.append(exact)
+            for kind in ("keys", "values"):
+                t[f"recent_{kind}"] = t[f"recent_{kind}"][:, :, leaving:].clone()
+            return
         scorers = [m for m in (self.evict, self.salience) if m is not None]
         if observed is not None and any(m.observes for m in scorers):  # the leaving tokens as this forward's queries
             observed.positions = self._positions(self.kept)[:, -self.window_len:][:, :leaving]  # read them
             observed.keys = observed.read_keys(exact[0], observed.positions)
         # the middle's codes of the leaving tokens (with near codes, made only for a scorer that reads them)
-        stored = [getattr(self.patch, kind).encode(x) for kind, x in zip(("keys", "values"), exact)] \
+        stored = [self._code(i, x) for i, x in enumerate(exact)] \
             if not self.near_tokens or any(m.reads_codes for m in scorers) else None
+        self.parked = []
         if self.evict is not None:
             with torch.profiler.record_function("patchkv::evict"):
                 exact, stored = self._evict(exact, stored, passed, observed)
@@ -248,6 +266,24 @@ class LatentLayer(CacheLayerMixin):
         if self.evict is not None and self.pending >= self.evict.block:
             with torch.profiler.record_function("patchkv::evict"):
                 self._evict_pending(observed)
+
+    def _code(self, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """Leaving tokens' keys (`kind` 0) or values (1) `[batch, kv_heads, n, head_dim]` as the middle stores them,
+        `[batch, 1, n, width]`: by the layer's codec, or, at a span's last layer, with the tokens its members parked
+        (one code per token for the whole span, its layers' heads concatenated in layer order)."""
+        codec = (self.patch.keys, self.patch.values)[kind]
+        if codec.span == 1:
+            return codec.encode(x)
+        parts = [*(exact[kind] for exact in self.parked), x]
+        if len(parts) != codec.span or any(p.shape[2] != x.shape[2] for p in parts):
+            raise PatchKVError(f"the {codec.span} layers of a basis across layers disagree on the tokens leaving their "
+                               f"windows ({[p.shape[2] for p in parts]}): every layer of the model must run each "
+                               "forward, in order, on one LatentCache.")
+        if any(p.device != x.device for p in parts):
+            raise PatchKVError(f"the {codec.span} layers sharing a basis run on {sorted({str(p.device) for p in parts})}"
+                               ": a basis across layers codes them together, so they must share a device (place them "
+                               "on one, or calibrate with layers_per_basis=1).")
+        return codec.encode_span(torch.cat(parts, dim=1))
 
     def _evict(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None, passed: int,
                observed: Observation | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -420,15 +456,14 @@ class LatentLayer(CacheLayerMixin):
         """(sinks, middle tokens, near tokens) to drop so that `excess` of the oldest tokens go."""
         excess = max(0, excess)
         sinks = min(excess, self.tensors["sink_keys"].shape[2])
-        middle = min(excess - sinks, self.tensors["latent_keys"].shape[2])
+        middle = min(excess - sinks, self.middle_len)
         return sinks, middle, excess - sinks - middle
 
     # ----- reading ----------------------------------------------------------------------------------
     @property
     def kept(self) -> int:
         """Tokens held (all of them, or the last ones of a sliding layer)."""
-        return sum(self.tensors[n].shape[2] for n in ("sink_keys", "latent_keys", "near_keys", "recent_keys")) \
-            if self.tensors else 0
+        return sum(self._tokens(n) for n in ("sink_keys", "latent_keys", "near_keys", "recent_keys"))
 
     def visible(self, query_len: int) -> Visible:
         """What attention sees after `append`: sinks, middle (as stored, `[batch, m, width]`) and window
@@ -442,7 +477,7 @@ class LatentLayer(CacheLayerMixin):
     def _held(self, kept: int) -> Visible:
         """The last `kept` of the tokens held (sinks and middle as held, the oldest dropped first), with their true
         positions."""
-        t = dict(self.tensors)
+        t = {**self.tensors, **self.middle()}
         if kept < self.kept:
             for region, drop in zip(("sink", "latent", "near"), self._oldest(self.kept - kept)):
                 for kind in ("keys", "values"):
@@ -490,9 +525,17 @@ class LatentLayer(CacheLayerMixin):
         """True positions `[batch, kept]` of the last `kept` tokens seen."""
         return self.track.positions[:, self.cumulative_length - kept: self.cumulative_length]
 
+    def middle(self) -> dict[str, torch.Tensor]:
+        """The middle, `latent_keys` and `latent_values` `[batch, 1, m, width]`: a span member's is its span's, held
+        by the span's last layer (none before that layer's first forward)."""
+        held = self.owner if self.owner is not None and self.owner.is_initialized else self
+        return {name: held.tensors[name] for name in ("latent_keys", "latent_values")}
+
     def _tokens(self, name: str) -> int:
         """Tokens the region `name` holds (0 before the first forward)."""
-        return self.tensors[name].shape[2] if self.tensors else 0
+        if not self.tensors:
+            return 0
+        return (self.middle() if name.startswith("latent_") else self.tensors)[name].shape[2]
 
     sink_len = property(lambda self: self._tokens("sink_keys"))
     middle_len = property(lambda self: self._tokens("latent_keys"))
@@ -553,7 +596,7 @@ class LatentLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.tensors, self.buffers, self.cumulative_length, self.is_initialized = {}, {}, 0, False
-        self.pending = 0
+        self.pending, self.parked = 0, []
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Assisted generation's hook (transformers >= 5.25 passes `recurrent_states_to_keep`, meaningless for an
@@ -586,8 +629,10 @@ class LatentLayer(CacheLayerMixin):
             raise PatchKVError("This sliding-window latent layer no longer holds the tokens to crop; call "
                                "cache.activate_past_recording() before generating if you need to roll back.")
         for region in ("recent", "near", "latent", "sink"):
-            n = min(remove, self.tensors[f"{region}_keys"].shape[2])
-            if n:  # the middle stays a view of its buffer (the next tokens are written after it); other regions are
+            n = min(remove, self._tokens(f"{region}_keys"))
+            if n and region == "latent" and self.owner is not None:  # the span's middle, cropped by its last layer
+                remove -= n  # (later in the loop over layers: it still holds these tokens)
+            elif n:  # the middle stays a view of its buffer (the next tokens are written after it); other regions are
                 for name in (f"{region}_keys", f"{region}_values", *((WINDOW_SCALE,) if region == "recent" else ())):
                     kept = self.tensors[name][:, :, :-n]  # copied out, so the tokens cropped from them are freed
                     self.tensors[name] = kept if region == "latent" else kept.clone()
@@ -647,6 +692,14 @@ class LatentCache(Cache):
         plan = patch.plan
         layers = [LatentLayer(lp, plan.sink_tokens, plan.window, lp.sliding_window, self.track, plan.salience,
                               plan.near_tokens, plan.window_bits, plan.evict) for lp in patch.layers]
+        for i, layer in enumerate(layers):  # a basis across layers: its members read the codes its last layer holds
+            codec = layer.patch.keys
+            if codec.position < codec.span - 1:
+                layer.owner = layers[i - codec.position + codec.span - 1]
+        if offloading and any(layer.owner is not None for layer in layers):
+            raise PatchKVError("offloading moves each layer's tensors between its forwards, and layers sharing a basis "
+                               "across layers read their span's codes from its last layer: use offloading=False, or "
+                               "an artifact calibrated with layers_per_basis=1.")
         super().__init__(layers=layers)
         self.offload_layers = offloading
         self.fingerprint = patch.fingerprint

@@ -119,6 +119,10 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
     if not isinstance(cache, LatentCache):
         raise PatchKVError(f"save_cache() writes a patchkv.LatentCache, got {type(cache).__name__}; a patched "
                            "model's generate() or patchkv.LatentCache(model) makes one.")
+    if any(layer.owner is not None for layer in cache.layers):
+        raise PatchKVError("this cache's layers share codes (an artifact whose layer bases span several layers), and "
+                           "a cache file holds each layer's own middle: it cannot be saved yet; use an artifact "
+                           "calibrated with layers_per_basis=1 to save caches.")
     tensors: dict[str, torch.Tensor] = {}
     layers, code_bytes, stored = [], 0, 0
     if cache.track.positions is not None:

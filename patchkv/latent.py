@@ -114,6 +114,10 @@ class Codec:
     width: int
     stored_dtype: torch.dtype
     table: ComponentTable
+    #: how many consecutive layers share the codes this codec reads (a basis across layers, artifact format 7), and
+    #: this codec's layer among them: 1 and 0 for a layer's own codes
+    span: int = 1
+    position: int = 0
 
     def set_table(self, table: ComponentTable, components: torch.Tensor) -> None:
         basis = self.basis
@@ -149,6 +153,10 @@ class Codec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Vectors `[batch, kv_heads, seq, head_dim]` -> stored form `[batch, 1, seq, width]`."""
         raise NotImplementedError
+
+    def empty(self, like: torch.Tensor) -> torch.Tensor:
+        """No tokens as stored, `[batch, 1, 0, width]`, for vectors like `like` `[batch, kv_heads, n, head_dim]`."""
+        return like.new_empty(like.shape[0], 1, 0, self.width, dtype=self.stored_dtype)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored `[batch, 1, seq, width]` -> coefficients `[batch, kv_heads, seq, max_rank]` (basis dtype)."""

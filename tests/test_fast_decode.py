@@ -198,12 +198,13 @@ def test_decode_attention_in_every_family(family, mode, monkeypatch):
     check_decode(family, "sdpa", mode, dict(sink_tokens=2, window=3), monkeypatch)
 
 
-def check_decode(family, attn, mode, options, monkeypatch, layer=False, extra=()):
-    """`layer`: the options' `bits` as `Quantized(bits, basis="layer")` codes (`test_layer_basis`); `extra`: methods
-    beside the options (`test_salience`)."""
+def check_decode(family, attn, mode, options, monkeypatch, layer=False, extra=(), layers_per_basis=1):
+    """`layer`: the options' `bits` as `Quantized(bits, basis="layer")` codes (`test_layer_basis`), on bases spanning
+    `layers_per_basis` layers (`test_span_cache`); `extra`: methods beside the options (`test_salience`)."""
     model = make_model(family, attn)
     rank = model.model.layers[0].self_attn.head_dim // 2
-    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False, layer_bases=layer)
+    art = patchkv.calibrate(model, calibration_ids(), mode=mode, rank=rank, progress=False, layer_bases=layer,
+                            layers_per_basis=layers_per_basis)
     methods = []
     if layer:
         options = dict(options)

@@ -22,6 +22,12 @@ Two bases (`basis`):
   values from the whole layer latent (`kv_heads` times the components per head). The global pool weighs layer
   components by the layer's whole Fisher matrix (artifact `layer_weights`). Step scales are read for the budget as
   for "head", averaged over each layer's heads (they were fitted on the per-head bases).
+  On an artifact whose layer bases span S layers (format version 7, `calibrate(..., layers_per_basis=S)`) one
+  latent per token codes S consecutive layers: each layer reads it through its rows of the span's basis
+  (`SpanQuantizedCodec`), and the cache codes and holds it at the span's last layer (`patchkv.cache`). The
+  budget is spent per span (`bits x kv_heads x S` per span at pool "head"); step scales are averaged over the
+  span's heads. Methods that rank, copy or recode one layer's coded tokens, and sliding-window models, are refused
+  on them (`patchkv.patching.check_span`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from ..allocation import BASES, POOLS, bit_allocation, layer_bit_allocation, step_scales_for
 from ..artifact_format import MAX_BITS
+from ..errors import PatchKVError
 from ..kernels import ops as kernels
 from ..kernels.reference import ComponentTable
 from ..latent import Codec, LatentBasis, LayerBasis
@@ -97,6 +104,51 @@ class LayerQuantizedCodec(QuantizedCodec):
                                  self.basis.max_rank).to(self.basis.basis.dtype)
 
 
+class SpanQuantizedCodec(LayerQuantizedCodec):
+    """Layer `position` of a layer basis spanning `span` consecutive layers (artifact format version 7): it reads the
+    span's codes `uint8 [batch, 1, seq, bytes]`, one latent per token for all the span's layers, through its own rows
+    of the span's basis (a `LayerBasis` on them: attention and the kernels read it as a layer basis). Those rows are
+    not a basis of their own, so this codec never codes: the span's last layer (the owner, `owns`) codes every layer
+    of the span at once (`encode_span`), and `patchkv.cache` keeps the span's codes there."""
+
+    def __init__(self, mean: torch.Tensor, eigenvectors: torch.Tensor, rank: int, heads: int, query_groups: int,
+                 dtype: torch.dtype, bits: torch.Tensor, eigenvalues: torch.Tensor, step_scale: float, position: int,
+                 span: int):
+        """mean `[span * kv_heads * head_dim]`, eigenvectors `[span * kv_heads * head_dim, D]` (the span's basis,
+        layers in order, each layer's heads concatenated); bits, eigenvalues `[span * kv_heads * head_dim]` per span
+        component."""
+        width = mean.shape[0] // span
+        rows = slice(position * width, (position + 1) * width)
+        super().__init__(LayerBasis(mean[rows], eigenvectors[rows], rank, heads, query_groups, dtype), bits, eigenvalues,
+                         step_scale)
+        self.position, self.span = position, span
+        self.owns = position == span - 1
+        if self.owns:  # what coding needs: the whole span's mean and basis (the quantizer is the readers' own)
+            self.span_mean, self.span_basis = mean.float(), eigenvectors[:, :rank].float()  # [S * D], [S * D, rank]
+
+    def to(self, device: torch.device) -> SpanQuantizedCodec:
+        super().to(device)
+        if self.owns:
+            self.span_mean, self.span_basis = self.span_mean.to(device), self.span_basis.to(device)
+        return self
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        raise PatchKVError(f"layer {self.position} of a {self.span}-layer basis reads the span's codes and cannot code "
+                           "its own vectors: the span's last layer codes them all (encode_span).")
+
+    def encode_span(self, x: torch.Tensor) -> torch.Tensor:
+        """The span's layers' vectors `[batch, span * kv_heads, seq, head_dim]` (layers in order) -> the span's codes
+        `uint8 [batch, 1, seq, bytes]`. Only the owner codes."""
+        if not self.owns:
+            raise PatchKVError(f"layer {self.position} of a {self.span}-layer basis does not code the span: its last "
+                               "layer does.")
+        batch, heads, seq, dim = x.shape
+        flat = x.float().transpose(1, 2).reshape(batch, seq, heads * dim)
+        latent = ((flat - self.span_mean) @ self.span_basis).unsqueeze(1).contiguous()   # [batch, 1, seq, rank]
+        return kernels.encode(latent, self.quantizer.table, self.quantizer.components,
+                              self.quantizer.bytes_per_token).unsqueeze(1)
+
+
 @dataclass(frozen=True)
 class Quantized(CodecMethod):
     """`bits` per KV head and token on average, for keys and for values (e.g. 64 bits = 16x smaller than bf16 at
@@ -145,20 +197,22 @@ class Quantized(CodecMethod):
         return out
 
     def _layer_codecs(self, artifact, query_groups: list[int], dtype: torch.dtype) -> list[tuple[Codec, Codec]]:
-        if artifact.layers_per_basis > 1:
-            raise ValueError(f"basis='layer' codes on one basis per layer, and this artifact's layer bases span "
-                             f"{artifact.layers_per_basis} layers (format version 7), which the cache cannot code on "
-                             "yet: calibrate with layers_per_basis=1 (`--layers-per-basis 1`), or use basis='head'.")
         allocation = layer_bit_allocation(artifact, self.bits, self.pool, self.context)  # refuses one without them
         scales = step_scales_for(artifact, self.bits, self.pool)
-        heads = artifact.num_kv_heads
+        heads, span = artifact.num_kv_heads, artifact.layers_per_basis
         out = []
-        for i, (groups, key_bits, value_bits) in enumerate(zip(query_groups, *allocation)):
+        for i, groups in enumerate(query_groups):
+            unit, position = divmod(i, span)  # the basis and this layer's place in it
             pair = []
-            for kind, c, bits in ((0, artifact.keys, key_bits), (1, artifact.values, value_bits)):
+            for kind, c, bits in ((0, artifact.keys, allocation[0][unit]), (1, artifact.values, allocation[1][unit])):
                 rank = int(bits.nonzero().max()) + 1 if bits.any() else 1
-                basis = LayerBasis(c.layer_mean[i], c.layer_eigenvectors[i], rank, heads, groups, dtype)
-                scale = 1.0 if scales is None else float(scales[kind][i].double().mean())
-                pair.append(LayerQuantizedCodec(basis, bits, c.layer_eigenvalues[i], scale))
+                layers = range(unit * span, (unit + 1) * span)  # step scales averaged over the span's heads
+                scale = 1.0 if scales is None else float(scales[kind][layers.start:layers.stop].double().mean())
+                if span == 1:
+                    basis = LayerBasis(c.layer_mean[unit], c.layer_eigenvectors[unit], rank, heads, groups, dtype)
+                    pair.append(LayerQuantizedCodec(basis, bits, c.layer_eigenvalues[unit], scale))
+                else:
+                    pair.append(SpanQuantizedCodec(c.layer_mean[unit], c.layer_eigenvectors[unit], rank, heads, groups,
+                                                   dtype, bits, c.layer_eigenvalues[unit], scale, position, span))
             out.append(tuple(pair))
         return out

@@ -1,0 +1,170 @@
+"""The cache on layer bases across layers (artifact format version 7, `Quantized(basis="layer")`): a span's codes, one
+latent per token for all its layers, are made by the span's last layer from every layer's leaving tokens and held
+there; each layer reads them through its own rows of the span's basis (`patchkv.cache`, `SpanQuantizedCodec`)."""
+
+import pytest
+import torch
+from conftest import calibration_ids, fed_in_chunks, make_model
+from test_fast_decode import check_decode
+
+import patchkv
+from patchkv.allocation import kv_bytes_per_token
+from patchkv.errors import PatchKVError
+from patchkv.latent import LayerBasis
+from patchkv.methods.quantized import LayerQuantizedCodec
+
+OPTIONS = dict(rank=16, sink_tokens=2, fisher_tokens=128, fisher_window=4, layer_bases=True, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", num_hidden_layers=4)  # two spans of 2 layers
+
+
+@pytest.fixture(scope="module")
+def spanned(model):
+    return patchkv.calibrate(model, calibration_ids(32, 64), mode="pre_rope", layers_per_basis=2, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def spanned_post(model):
+    return patchkv.calibrate(model, calibration_ids(32, 64), mode="post_rope", layers_per_basis=2, **OPTIONS)
+
+
+def views(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's keys and values as the unpatched model would hold them (the middle rebuilt)."""
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("pool", ["head", "global"])
+def test_a_span_is_coded_once_holds_its_bytes_and_approaches_exact_at_full_rate(model, spanned, pool):
+    ids = calibration_ids(2, 40, seed=3)
+    for bits in (12, 48):
+        with patchkv.patched(model, spanned, methods=[patchkv.Quantized(bits, pool, "layer")]):
+            cache = model(ids, use_cache=True).cache
+        coded = [int(layer.tensors["latent_keys"].numel() + layer.tensors["latent_values"].numel())
+                 for layer in cache.layers]
+        assert coded[0] == coded[2] == 0  # the members hold none: their middle is their span's
+        assert sum(coded) // ids.numel() == kv_bytes_per_token(spanned, bits, pool, "layer")
+        assert all(layer.middle_len == 40 for layer in cache.layers)
+        assert cache.nbytes() == sum(coded) + cache.track.positions.nbytes
+    reference = fed_in_chunks(model, ids, 8)
+    errors = {}
+    for bits in (12, 128):
+        with patchkv.patched(model, spanned, methods=[patchkv.Quantized(bits, pool, "layer")]):
+            errors[bits] = float((fed_in_chunks(model, ids, 8) - reference).abs().max() / reference.abs().max())
+    assert errors[128] < 0.02 < errors[12]
+
+
+@pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
+def test_each_layer_reads_its_rows_of_the_codes_its_span_made_from_every_layers_tokens(model, spanned, spanned_post,
+                                                                                       mode):
+    """A forward reads its own tokens exact, so what it writes is the unpatched model's keys and values; each layer's
+    middle must be those of the whole span coded together and read back through that layer's rows."""
+    art = spanned if mode == "pre_rope" else spanned_post
+    ids = calibration_ids(2, 24, seed=7)
+    exact = model(ids, use_cache=True).cache  # a DynamicCache: values, and keys rotated (post-RoPE cache space)
+    with patchkv.patched(model, art, methods=[patchkv.Quantized(40, "head", "layer")]):
+        held = views(model(ids, use_cache=True).cache)
+    kinds = ("keys", "values") if mode == "post_rope" else ("values",)  # pre-RoPE codes un-rotated keys
+    for unit in range(2):
+        for kind in kinds:
+            c = getattr(art, kind)
+            bits = patchkv.allocation.layer_bit_allocation(art, 40, "head")[kinds.index(kind) if mode == "post_rope"
+                                                                              else 1][unit]
+            rank = int(bits.nonzero().max()) + 1
+            heads = art.num_kv_heads
+            whole = LayerQuantizedCodec(LayerBasis(c.layer_mean[unit], c.layer_eigenvectors[unit], rank, 2 * heads, 2,
+                                                   torch.float32), bits, c.layer_eigenvalues[unit])
+            layers = [getattr(exact.layers[2 * unit + i], kind) for i in range(2)]
+            coded = whole.basis.reconstruct(whole.decode(whole.encode(torch.cat(layers, dim=1))))
+            for i in range(2):
+                read = held[2 * unit + i][kind == "values"]
+                assert torch.allclose(read, coded[:, i * heads:(i + 1) * heads], atol=1e-5)
+                assert not torch.allclose(read, layers[i], atol=1e-3)  # coded, not exact
+
+
+@pytest.mark.parametrize("options", [dict(bits=40), dict(sink_tokens=2, window=3, bits=24)])
+def test_decode_attention_on_span_codes_equals_the_attention_over_dense_keys(mode, options, monkeypatch):
+    check_decode("llama", "sdpa", mode, options, monkeypatch, layer=True, layers_per_basis=2)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+def test_decode_attention_on_span_codes_in_other_families(family, monkeypatch):
+    check_decode(family, "sdpa", "pre_rope", dict(sink_tokens=2, window=3, bits=24), monkeypatch, layer=True,
+                 layers_per_basis=2)
+
+
+@pytest.mark.parametrize("operation", ["crop", "reorder", "select", "repeat"])
+def test_whole_cache_operations_keep_every_layer_of_a_span_in_step(model, spanned, operation):
+    ids = calibration_ids(2, 30, seed=8)
+    with patchkv.patched(model, spanned, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24, "global", "layer")]):
+        cache = model(ids[:, 10:], cache=model(ids[:, :10], use_cache=True).cache, use_cache=True).cache
+        before = views(cache)
+        if operation == "crop":  # past the window, into the span's middle
+            cache.crop(-10)  # the last 10 of 30 tokens
+            expected = [(k[:, :, :20], v[:, :, :20]) for k, v in before]
+        elif operation == "reorder":
+            cache.reorder_cache(torch.tensor([1, 0]))
+            expected = [(k.flip(0), v.flip(0)) for k, v in before]
+        elif operation == "select":
+            cache.batch_select_indices(torch.tensor([1]))
+            expected = [(k[1:], v[1:]) for k, v in before]
+        else:
+            cache.batch_repeat_interleave(2)
+            expected = [(k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)) for k, v in before]
+        for (k, v), (ek, ev) in zip(views(cache), expected):
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+        assert cache.nbytes() < sum(k.nbytes + v.nbytes for k, v in expected)  # the members copied no codes
+        batch = expected[0][0].shape[0]
+        more = calibration_ids(batch, 3, seed=9)
+        step = model(more, cache=cache, use_cache=True)  # every layer agrees on the tokens leaving its window
+        assert torch.isfinite(step.logits).all() and cache.get_seq_length() == expected[0][0].shape[2] + 3
+
+
+def test_generate_on_span_codes_greedy_and_beam(model, spanned):
+    ids = calibration_ids(2, 20, seed=10)
+    with patchkv.patched(model, spanned, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24, "global", "layer")]):
+        greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+        cache, step, manual = None, ids, []
+        for _ in range(6):  # the same decoding, one forward at a time on the cache
+            out = model(step, cache=cache, use_cache=True)
+            cache, step = out.cache, out.logits[:, -1:].argmax(-1)
+            manual.append(step)
+        beam = model.generate(ids, max_new_tokens=6, do_sample=False, num_beams=3)
+    assert torch.equal(greedy[:, 20:], torch.cat(manual, dim=1))
+    assert beam.shape == (2, 26)
+
+
+@pytest.mark.parametrize("method", [patchkv.NearCodes(8), patchkv.Evict(0.5), patchkv.Novelty(0.1), patchkv.TopK(8)])
+def test_methods_on_each_layers_coded_tokens_are_refused_on_span_codes(model, spanned, method):
+    with pytest.raises(PatchKVError, match="span 2 layers, and the cache codes each span's tokens once"):
+        patchkv.apply(model, spanned, methods=[patchkv.Quantized(24, "head", "layer"), method])
+    assert not patchkv.is_patched(model)
+
+
+def test_sliding_window_models_offloading_and_saving_are_refused_on_span_codes(tmp_path, model, spanned):
+    gemma = make_model("gemma3")
+    art = patchkv.calibrate(gemma, calibration_ids(8, 48), mode="pre_rope", layers_per_basis=2, **OPTIONS)
+    with pytest.raises(PatchKVError, match="sliding-window layers"):
+        patchkv.apply(gemma, art, methods=[patchkv.Quantized(24, "head", "layer")])
+    assert not patchkv.is_patched(gemma)
+    with patchkv.patched(model, spanned, methods=[patchkv.Quantized(24, "head", "layer")]):
+        with pytest.raises(PatchKVError, match="use offloading=False"):
+            patchkv.LatentCache(model, offloading=True)
+        cache = model(calibration_ids(1, 12), use_cache=True).cache
+        with pytest.raises(PatchKVError, match="cannot be saved yet"):
+            patchkv.save_cache(cache, tmp_path / "span.safetensors")
+
+
+def test_a_span_member_never_codes_on_its_rows(spanned):
+    codecs = patchkv.Quantized(24, "head", "layer").codecs(spanned, [2] * 4, torch.float32)
+    member, owner = codecs[0][0], codecs[1][0]
+    assert (member.span, member.position, owner.position) == (2, 0, 1)
+    x = torch.randn(1, 2, 3, 16)
+    for codec in (member, owner):
+        with pytest.raises(PatchKVError, match="cannot code its own vectors"):
+            codec.encode(x)
+    with pytest.raises(PatchKVError, match="does not code the span"):
+        member.encode_span(torch.randn(1, 4, 3, 16))
+    assert owner.encode_span(torch.randn(1, 4, 3, 16)).shape == (1, 1, 3, owner.width)
