@@ -280,9 +280,10 @@ class LatentLayer(CacheLayerMixin):
                                f"windows ({[p.shape[2] for p in parts]}): every layer of the model must run each "
                                "forward, in order, on one LatentCache.")
         if any(p.device != x.device for p in parts):
-            raise PatchKVError(f"the {codec.span} layers sharing a basis run on {sorted({str(p.device) for p in parts})}"
-                               ": a basis across layers codes them together, so they must share a device (place them "
-                               "on one, or calibrate with layers_per_basis=1).")
+            devices = sorted({str(p.device) for p in parts})
+            raise PatchKVError(f"the {codec.span} layers sharing a basis run on {devices}: a basis across layers "
+                               "codes them together, so they must share a device (place them on one, or calibrate "
+                               "with layers_per_basis=1).")
         return codec.encode_span(torch.cat(parts, dim=1))
 
     def _evict(self, exact: list[torch.Tensor], stored: list[torch.Tensor] | None, passed: int,

@@ -105,10 +105,10 @@ def check_span(plan: CachePlan, sliding_windows: list[int | None], span: int) ->
     layer, `patchkv.cache`): methods that rank, copy or recode a layer's coded tokens, and sliding-window layers."""
     others = [m.spec() for m in (plan.selector, plan.salience, plan.near, plan.evict) if m is not None]
     if others:
-        raise PatchKVError(f"this artifact's layer bases span {span} layers, and the cache codes each span's tokens once "
-                           f"for all its layers; {', '.join(others)} ranks, copies or recodes each layer's own coded "
-                           "tokens, which it cannot do on them yet: drop it, or use an artifact calibrated with "
-                           "layers_per_basis=1.")
+        raise PatchKVError(f"this artifact's layer bases span {span} layers, and the cache codes each span's tokens "
+                           f"once for all its layers; {', '.join(others)} ranks, copies or recodes each layer's "
+                           "own coded tokens, which it cannot do on them yet: drop it, or use an artifact calibrated "
+                           "with layers_per_basis=1.")
     if any(w is not None for w in sliding_windows):
         raise PatchKVError(f"this artifact's layer bases span {span} layers, and this model has sliding-window layers, "
                            "whose caches drop tokens their span's other layers keep: use an artifact calibrated with "

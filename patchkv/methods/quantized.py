@@ -119,8 +119,8 @@ class SpanQuantizedCodec(LayerQuantizedCodec):
         component."""
         width = mean.shape[0] // span
         rows = slice(position * width, (position + 1) * width)
-        super().__init__(LayerBasis(mean[rows], eigenvectors[rows], rank, heads, query_groups, dtype), bits, eigenvalues,
-                         step_scale)
+        basis = LayerBasis(mean[rows], eigenvectors[rows], rank, heads, query_groups, dtype)
+        super().__init__(basis, bits, eigenvalues, step_scale)
         self.position, self.span = position, span
         self.owns = position == span - 1
         if self.owns:  # what coding needs: the whole span's mean and basis (the quantizer is the readers' own)
