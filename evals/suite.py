@@ -22,7 +22,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from functools import cache
 from pathlib import Path
@@ -67,6 +68,13 @@ def load_smollm2(dtype: torch.dtype | None = None, attn: str = "sdpa", rope_fact
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, config=config, dtype=dtype or models_dtype(),
                                                  attn_implementation=attn).eval()
     return model, AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+#: the spans of the "-spanS" configs' bases across layers (artifact format version 7): the shipped pre-RoPE artifact
+#: with its layer bases calibrated across S layers (`span_artifact`)
+SPANS = (5, 15)
+#: where `span_artifact` keeps them (not committed: 47 MB at 5 layers, 136 MB at 15)
+SPAN_BASES = ROOT / ".cache" / "spans"
 
 
 def _coded(ratio: float, name: str, note: str, mode: str = "pre_rope", basis: str = "head", salience=None,
@@ -143,6 +151,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_coded(ratio, f"{ratio}x", f"global pre-RoPE codes, {ratio}x vs bf16") for ratio in (4, 8, 16, 32)),
     *(_coded(ratio, f"{ratio}x-layer", f"global pre-RoPE codes on layer bases, {ratio}x vs bf16", basis="layer",
              family="patchkv-layer") for ratio in (8, 16, 32)),
+    *(_coded(ratio, f"{ratio}x-span{span}", f"global pre-RoPE codes on bases across {span} layers, {ratio}x vs bf16",
+             mode=f"pre_rope-span{span}", basis="layer", family=f"patchkv-span{span}")
+      for span in SPANS for ratio in (16, 32)),
     _coded(8, "8x-top256", "8x + decode over the best 256 latent tokens per KV head", extra=(patchkv.TopK(256, 16),)),
     _coded(8, "8x-post", "global post-RoPE codes, 8x vs bf16", mode="post_rope"),
     *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
@@ -180,10 +191,54 @@ def config(name: str) -> Config:
     return CONFIGS.get(name) or peer(name)
 
 
-def load_artifacts(dtype: torch.dtype | None = None, bases: Path = BASES) -> dict[str, patchkv.Artifact]:
-    """{mode: artifact} of SmolLM2's shipped bases in `dtype` (default `models_dtype()`)."""
-    return {mode: patchkv.Artifact.load(bases / f"{mode}.safetensors").to_dtype(dtype or models_dtype())
-            for mode in ("pre_rope", "post_rope")}
+class Artifacts(Mapping):
+    """SmolLM2's artifacts by the name configurations ask for them (`Config.mode`), in `dtype`, each loaded the first
+    time it is asked for: "pre_rope" and "post_rope" (the shipped bases in `bases`), "pre_rope-spanS" (bases across S
+    layers, `span_artifact`, built the first time)."""
+
+    def __init__(self, dtype: torch.dtype, bases: Path = BASES):
+        self.dtype, self.bases, self.loaded = dtype, bases, {}
+        self.names = ("pre_rope", "post_rope", *(f"pre_rope-span{span}" for span in SPANS))
+
+    def __getitem__(self, name: str) -> patchkv.Artifact:
+        if name not in self.names:
+            raise KeyError(name)
+        if name not in self.loaded:
+            mode, _, span = name.partition("-span")
+            file = span_artifact(int(span), self.bases) if span else self.bases / f"{mode}.safetensors"
+            self.loaded[name] = patchkv.Artifact.load(file).to_dtype(self.dtype)
+        return self.loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def load_artifacts(dtype: torch.dtype | None = None, bases: Path = BASES) -> Artifacts:
+    """SmolLM2's artifacts by name (`Artifacts`) in `dtype` (default `models_dtype()`)."""
+    return Artifacts(dtype or models_dtype(), bases)
+
+
+def span_artifact(span: int, bases: Path = BASES) -> Path:
+    """The shipped pre-RoPE artifact in `bases` with its layer bases calibrated across `span` layers (format version
+    7), in `SPAN_BASES`/span: built there the first time (`python -m evals calibrate --layer-bases-only
+    --layers-per-basis span --modes pre_rope`, 3 to 5 minutes on 2 cores, deterministic)."""
+    out = SPAN_BASES / str(span)
+    file = out / "pre_rope.safetensors"
+    if not file.exists():  # built beside, then moved in whole: an interrupted build leaves no file
+        from .calibrate_smollm2 import main as calibrate
+
+        print(f"building the bases across {span} layers into {file} (once)", flush=True)
+        partial = SPAN_BASES / f"{span}.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bases / "pre_rope.safetensors", partial / file.name)
+        calibrate(["--layer-bases-only", "--layers-per-basis", str(span), "--modes", "pre_rope", "--out", str(partial)])
+        out.mkdir(exist_ok=True)
+        (partial / file.name).replace(file)
+        partial.rmdir()
+    return file
 
 
 @cache
