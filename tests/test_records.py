@@ -41,6 +41,18 @@ def test_the_suite_builds_its_configurations_with_the_library():
     assert config("kvpress SnapKVPress r=0.5").kind == "peer"
 
 
+def test_the_suite_names_every_artifact_its_configurations_ask_for_and_loads_none_until_asked():
+    from evals.suite import CONFIGS, load_artifacts
+
+    artifacts = load_artifacts()
+    assert {c.mode for c in CONFIGS.values() if c.budget is not None} <= set(artifacts)
+    assert CONFIGS["16x-span5"].mode == "pre_rope-span5" and CONFIGS["16x-span5"].budget.basis == "layer"
+    assert not artifacts.loaded
+    assert artifacts["pre_rope"].mode == "pre_rope" and list(artifacts.loaded) == ["pre_rope"]
+    with pytest.raises(KeyError):
+        artifacts["pre_rope-span7"]
+
+
 def test_an_axis_is_logarithmic_only_where_values_span_a_decade():
     assert records.spans_decades([11.9, 169.7])
     assert not records.spans_decades([11.9, 65.2])
