@@ -67,6 +67,7 @@ from patchkv.allocation import allocate_bits_global, step_scales_for
 from patchkv.artifact_format import file_sha256
 from patchkv.budgets import parse_budget
 from patchkv.methods import Quantized
+from patchkv.perplexity import token_nll
 from patchkv.quantize import GAUSSIAN_MSE, GAUSSIAN_STEP
 
 from .calibrate_smollm2 import general_mix
@@ -408,28 +409,24 @@ def needles(args) -> None:
     write_csv(rows, args.out / "shared_basis_needles.csv", extra=inputs(args, spanned))
 
 
-@torch.no_grad()
 def coded_nll(model, ids: torch.Tensor, code, chunk: int = 64) -> tuple[float, int]:
-    """(NLL sum, tokens scored) of `ids` `[1, seq]` read `chunk` tokens a forward as `Perplexity` reads them, the
-    model's own cache holding, after each forward, every token past the sinks that has left the last `WINDOW` as
-    `code` reconstructs it (None: exact)."""
-    total, count, cache, coded, clean = 0.0, 0, None, SINKS, None
+    """(NLL sum, tokens scored) of `ids` `[1, seq]` read `chunk` tokens a forward as `Perplexity` reads them
+    (`token_nll`), the model's own cache holding, after each forward, every token past the sinks that has left the
+    last `WINDOW` as `code` reconstructs it (None: exact)."""
+    clean, coded = {}, SINKS
+
+    def recode(cache, start: int, n: int) -> None:
+        nonlocal coded
+        for kind, x in capture.take().items():
+            clean[kind] = x[0] if kind not in clean else torch.cat([clean[kind], x[0]])
+        end = start + n - WINDOW
+        if code is not None and end > coded:
+            write_codes(model, cache, *code(clean["keys"][coded:end], clean["values"][coded:end]), coded)
+            coded = end
+
     with Capture(model) as capture:
-        for start in range(0, ids.shape[1], chunk):
-            step = ids[:, start:start + chunk]
-            out = model(input_ids=step, cache=cache, use_cache=True)
-            cache = out.cache
-            targets = ids[:, start + 1:start + 1 + step.shape[1]]
-            logprobs = out.logits[:, :targets.shape[1]].float().log_softmax(-1)
-            total -= float(logprobs.gather(-1, targets.unsqueeze(-1)).sum())
-            count += targets.numel()
-            new = {kind: x[0] for kind, x in capture.take().items()}
-            clean = new if clean is None else {kind: torch.cat([clean[kind], x]) for kind, x in new.items()}
-            end = start + step.shape[1] - WINDOW
-            if code is not None and end > coded:
-                write_codes(model, cache, *code(clean["keys"][coded:end], clean["values"][coded:end]), coded)
-                coded = end
-    return total, count
+        scored = token_nll(model, ids, chunk, after=recode)
+    return scored.nll, scored.count
 
 
 def chunked_perplexity(args) -> None:

@@ -8,6 +8,7 @@ score a patched model as the unpatched one: a forward reads its own tokens exact
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +35,14 @@ class Scored:
 
 @torch.no_grad()
 def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any = None, prompt: int = 0,
-              targets: torch.Tensor | None = None) -> Scored:
+              targets: torch.Tensor | None = None, after: Callable[[Any, int, int], None] | None = None) -> Scored:
     """Score `input_ids` `[batch, seq]` fed through `cache` (None: the model's own, a `LatentCache` when patched),
     the cache left holding them: the first `prompt` tokens in one forward and only the tokens after them scored (a
     prompt reads itself exact, as in generation), then `chunk` tokens per forward; `prompt` 0: every token from the
     second on scored, the first forward `chunk` tokens too. `targets` `[batch, seq]`: where each token's logit is
-    read (default `input_ids`; for a model whose head scores a restricted vocabulary, the tokens' indices in it)."""
+    read (default `input_ids`; for a model whose head scores a restricted vocabulary, the tokens' indices in it).
+    `after(cache, start, n)`: called after each forward, which fed the `n` tokens from `start` (a simulation that
+    rewrites the cache between forwards)."""
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     targets_at = ids if targets is None else targets.to(device)
@@ -56,5 +59,7 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int, cache: Any 
             total -= logprobs.gather(-1, targets.unsqueeze(-1)).sum().item()
             greedy = greedy and bool((logprobs.argmax(-1) == targets).all())
             count += targets.numel()
+        if after is not None:
+            after(cache, start, step.shape[1])
         start += step.shape[1]
     return Scored(total, count, greedy, cache, logits)
