@@ -153,7 +153,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
              family="patchkv-layer") for ratio in (8, 16, 32)),
     *(_coded(ratio, f"{ratio}x-span{span}", f"global pre-RoPE codes on bases across {span} layers, {ratio}x vs bf16",
              mode=f"pre_rope-span{span}", basis="layer", family=f"patchkv-span{span}")
-      for span in SPANS for ratio in (16, 32)),
+      for span in SPANS for ratio in (8, 16, 32)),
     _coded(8, "8x-top256", "8x + decode over the best 256 latent tokens per KV head", extra=(patchkv.TopK(256, 16),)),
     _coded(8, "8x-post", "global post-RoPE codes, 8x vs bf16", mode="post_rope"),
     *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
