@@ -29,7 +29,9 @@ One safetensors file. Tensors, for each layer `i` and each region `r` of `patchk
                                                 `[batch, kv_heads, window, 2]`, width 0 for an exact window; the
                                                 kept-token bitmap of `Evict`, uint8 `[batch, 1, bytes, 1]`, bit i
                                                 of byte i // 8 (low bit first) set where the i-th token to leave
-                                                the window is held, zero bytes without it)
+                                                the window is held, zero bytes without it; under a basis
+                                                across layers only a span's last layer holds the span's
+                                                middle, the others an empty one)
     layers.{i}.{r}     uint8 [n]                encoding "deflate": the zlib stream of the region's uint8 bytes
                                                 `[batch, 1, seq, width]` laid out as `[batch, width, seq]`
 
@@ -54,7 +56,8 @@ batch throughout; keys and values of a region hold as many tokens, and the count
 sinks, at most `window` recent and `near_tokens` near tokens, every token seen in a full layer and at least the last `sliding_window - 1`
 in a sliding one, salient copies only under a salience method and no more than the middle; under `Evict` a full
 layer holds the sinks, the window and the bitmap's set bits, its bitmap as many bytes as the tokens that left the
-window need and no bit set past them, and without it every token and an empty bitmap); salient indices point
+window need and no bit set past them, and without it every token and an empty bitmap; a layer of a basis across
+layers the middle its span's last layer holds, none of its own); salient indices point
 into the middle; every true position lies in [0, limit), limit the model's `max_position_embeddings` or, past it,
 the tokens seen; deflated regions inflate to exactly their declared bytes with their crc32.
 
@@ -119,10 +122,6 @@ def save_cache(cache: LatentCache, path: str | Path, *, compress: str | None = "
     if not isinstance(cache, LatentCache):
         raise PatchKVError(f"save_cache() writes a patchkv.LatentCache, got {type(cache).__name__}; a patched "
                            "model's generate() or patchkv.LatentCache(model) makes one.")
-    if any(layer.owner is not None for layer in cache.layers):
-        raise PatchKVError("this cache's layers share codes (an artifact whose layer bases span several layers), and "
-                           "a cache file holds each layer's own middle: it cannot be saved yet; use an artifact "
-                           "calibrated with layers_per_basis=1 to save caches.")
     tensors: dict[str, torch.Tensor] = {}
     layers, code_bytes, stored = [], 0, 0
     if cache.track.positions is not None:
@@ -246,19 +245,23 @@ def _check_layout(path: Path, meta: dict, cache: LatentCache, stored: Header) ->
     if len(shape) != 2 or shape[1] != lengths[0] or dtype != "I32":
         raise _damaged(path, f"its position track is {dtype} {list(shape)}, expected I32 (int32) [batch, "
                              f"{lengths[0]}]: one true position per token its layers have seen")
-    names = ["positions"]
-    for i, (layer, entry) in enumerate(zip(cache.layers, layers)):
-        names += _check_layer(path, i, layer, entry, stored, shape[0], meta["format_version"])
+    names, middles = ["positions"], {}
+    for i in reversed(range(len(layers))):  # a span's last layer, which holds its middle, before the span's others
+        layer = cache.layers[i]
+        span = None if layer.owner is None else middles[cache.layers.index(layer.owner)]
+        names += _check_layer(path, i, layer, layers[i], stored, shape[0], meta["format_version"], span)
+        middles[i] = layers[i]["regions"]["latent_keys"]["shape"][2]
     return names
 
 
-def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: Header, batch: int, version: int
-                 ) -> list[str]:
+def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: Header, batch: int, version: int,
+                 span: int | None = None) -> list[str]:
     """Layer `i`'s entry and stored regions against its patch: every region there, each region's dtype and `[batch,
     heads, tokens, width]` those of its codecs and mode, keys and values of a region as many tokens, and the token
     counts those the layer keeps: its sinks, at most `window` recent tokens, every token seen in a full layer (at
     least the last `sliding_window - 1` in a sliding one), exact copies of middle tokens only with a salience
-    method. Returns the tensor names."""
+    method; a layer of a basis across layers (`LatentLayer.owner`) none of its own, its span's middle of `span`
+    tokens held by the span's last layer. Returns the tensor names."""
     regions = entry["regions"]
     missing = {6: (), 5: (KEPT,), 4: (WINDOW_SCALE, KEPT), 3: ("salient_scale", WINDOW_SCALE, KEPT),
                2: (*NEAR, "salient_scale", WINDOW_SCALE, KEPT),
@@ -282,6 +285,11 @@ def _check_layer(path: Path, i: int, layer: LatentLayer, entry: dict, stored: He
         if len({tokens[n] for n in group}) > 1:
             raise _damaged(path, f"layer {i}'s regions {list(group)} hold different numbers of tokens "
                                  f"{[tokens[n] for n in group]}")
+    if span is not None:
+        if tokens["latent_keys"]:
+            raise _damaged(path, f"layer {i} holds a middle of {tokens['latent_keys']} tokens, and its codes are its "
+                                 "span's, held by the span's last layer")
+        tokens["latent_keys"] = span
     _check_counts(path, i, layer, entry["cumulative_length"], tokens)
     return [f"layers.{i}.{name}" for name in expected]
 

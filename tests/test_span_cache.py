@@ -143,7 +143,25 @@ def test_methods_on_each_layers_coded_tokens_are_refused_on_span_codes(model, sp
     assert not patchkv.is_patched(model)
 
 
-def test_sliding_window_models_offloading_and_saving_are_refused_on_span_codes(tmp_path, model, spanned):
+def test_a_saved_cache_of_span_codes_continues_exactly_and_a_member_with_a_middle_of_its_own_is_refused(
+        tmp_path, model, spanned):
+    ids, more = calibration_ids(2, 40, seed=5), calibration_ids(2, 3, seed=6)
+    with patchkv.patched(model, spanned, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24, "global", "layer")]):
+        cache = model(ids[:, 20:], cache=model(ids[:, :20], use_cache=True).cache, use_cache=True).cache
+        saved = patchkv.save_cache(cache, tmp_path / "span.safetensors")
+        restored = patchkv.load_cache(model, saved.path)
+        assert [layer.middle_len for layer in restored.layers] == [34] * 4 and restored.nbytes() == cache.nbytes()
+        for c in (cache, restored):
+            c.logits = [model(more[:, i:i + 1], cache=c, use_cache=True).logits for i in range(3)]
+        assert all(torch.equal(a, b) for a, b in zip(cache.logits, restored.logits))
+        member = cache.layers[0]
+        member.tensors["latent_keys"], member.tensors["latent_values"] = member.middle().values()  # a copy of its own
+        patchkv.save_cache(cache, tmp_path / "doubled.safetensors")
+        with pytest.raises(PatchKVError, match="layer 0 holds a middle of 37 tokens, and its codes are its span's"):
+            patchkv.load_cache(model, tmp_path / "doubled.safetensors")
+
+
+def test_sliding_window_models_and_offloading_are_refused_on_span_codes(model, spanned):
     gemma = make_model("gemma3")
     art = patchkv.calibrate(gemma, calibration_ids(8, 48), mode="pre_rope", layers_per_basis=2, **OPTIONS)
     with pytest.raises(PatchKVError, match="sliding-window layers"):
@@ -152,9 +170,6 @@ def test_sliding_window_models_offloading_and_saving_are_refused_on_span_codes(t
     with patchkv.patched(model, spanned, methods=[patchkv.Quantized(24, "head", "layer")]):
         with pytest.raises(PatchKVError, match="use offloading=False"):
             patchkv.LatentCache(model, offloading=True)
-        cache = model(calibration_ids(1, 12), use_cache=True).cache
-        with pytest.raises(PatchKVError, match="cannot be saved yet"):
-            patchkv.save_cache(cache, tmp_path / "span.safetensors")
 
 
 def test_a_span_member_never_codes_on_its_rows(spanned):
