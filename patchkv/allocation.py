@@ -235,10 +235,17 @@ def full_kv_bytes_per_token(artifact: Artifact, element_size: int | None = None)
 def code_bytes(artifact: Artifact, bits: int, pool: str = "head", basis: str = "head", context: int | None = None
                ) -> list[int]:
     """Bytes of one token's codes in each layer, keys and values (each rounded up to whole bytes), for
-    `Quantized(bits, pool, basis, context)`."""
+    `Quantized(bits, pool, basis, context)`: on layer bases across layers, a span's at its last layer (which holds
+    them, `patchkv.cache`) and none at its others."""
     allocate = layer_bit_allocation if basis == "layer" else bit_allocation
     keys, values = allocate(artifact, bits, pool, context)
-    return [-(-int(k.sum()) // 8) - (-int(v.sum()) // 8) for k, v in zip(keys, values)]
+    held = [-(-int(k.sum()) // 8) - (-int(v.sum()) // 8) for k, v in zip(keys, values)]
+    if basis != "layer" or artifact.layers_per_basis == 1:
+        return held
+    out = [0] * artifact.num_layers
+    for layers, n in zip(artifact.layer_groups, held):
+        out[layers[-1]] = n
+    return out
 
 
 def kv_bytes_per_token(artifact: Artifact, bits: int | None = None, pool: str = "head", basis: str = "head") -> int:

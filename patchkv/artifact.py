@@ -26,7 +26,7 @@ from .artifact_checks import (check_calibration, check_components, check_model_f
                               parse_budgets, parse_metadata)
 from .artifact_format import (FILENAME, FORMAT_VERSION, KINDS, LAYER_NAMES, LAYER_WEIGHTS, MODEL_DTYPES,
                               MODES, SLIDING_WINDOWS, STEP_BUDGETS, STEP_SCALES, TENSOR_NAMES, WEIGHTS, checksum,
-                              dtype_name, file_sha256, header_metadata, parse_sha256)
+                              dtype_name, file_sha256, header_metadata, layer_groups, parse_sha256)
 from .errors import ArtifactError, InvalidArtifactError
 from .identity import check_compatible, model_identity
 from .pca import select_ranks
@@ -147,6 +147,13 @@ class Artifact:
         """How many consecutive layers each layer basis spans: 1 for one basis per layer (format version 5), more
         for bases across layers (version 7); 0 without layer bases."""
         return self.keys.layers_per_basis
+
+    @property
+    def layer_groups(self) -> list[list[int]]:
+        """The layers each layer basis spans, one list per row of the layer tensors: S consecutive layers of one
+        attention kind (`patchkv.artifact_format.layer_groups`); [] without layer bases."""
+        span = self.layers_per_basis
+        return layer_groups(self.sliding_windows, span) if span else []
 
     @property
     def format_version(self) -> int:
@@ -333,6 +340,11 @@ class Artifact:
         if self.keys.layers_per_basis != self.values.layers_per_basis:
             raise InvalidArtifactError(f"keys' layer bases span {self.keys.layers_per_basis} layer(s) and values' "
                                        f"{self.values.layers_per_basis}: both kinds must span the same layers.")
+        if self.layers_per_basis > 1:
+            try:
+                self.layer_groups
+            except ValueError as e:
+                raise InvalidArtifactError(f"its layer bases cannot be grouped over the model's layers: {e}") from None
         if self.has_step_scales != (self.step_budgets is not None):
             raise InvalidArtifactError("step scales come with step_budgets (the (bits, pool) each was fitted for), "
                                        "and step_budgets with step scales; found one without the other.")

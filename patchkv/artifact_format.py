@@ -57,10 +57,13 @@ A version 6 file is the artifact of a model with sliding-window layers: it holds
 optionally the layer bases, with layer weights exactly when the heads have effect weights) and its `model` object
 has a tenth field, `sliding_windows`, that says how many tokens each layer holds (what budgets count bytes by).
 
-A version 7 file holds layer bases that span `S` >= 2 consecutive layers (`calibrate(..., layer_bases=True,
-layers_per_basis=S)`, `S` dividing `L`): otherwise what a version 5 or 6 file holds (`sliding_windows` allowed), its
-layer tensors with one row per span of layers, `G = L / S` rows of width `S * D` (the span's layers concatenated
-in order, layer `g * S + i`'s head h in columns `i * D + h * d : i * D + (h + 1) * d`):
+A version 7 file holds layer bases that span `S` >= 2 layers each (`calibrate(..., layer_bases=True,
+layers_per_basis=S)`): otherwise what a version 5 or 6 file holds (`sliding_windows` allowed), its layer tensors
+with one row per span of layers, `G = L / S` rows of width `S * D`. A span is `S` consecutive layers of one attention
+kind (`layer_groups`: full attention, or one sliding window; for a model without sliding-window layers, layers
+`g * S` to `g * S + S - 1`), `S` dividing the number of layers of each kind; the rows are in the order of the spans'
+last layers, and a span's layers are concatenated in order, its `i`-th layer's head h in columns
+`i * D + h * d : i * D + (h + 1) * d`:
 
     {kind}.layer_mean          float32 [G, S * D]
     {kind}.layer_eigenvalues   float32 [G, S * D]
@@ -151,6 +154,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +199,23 @@ ORTHONORMAL_TOL = 1e-4
 #: negative eigenvalues and increases up to this share of the head's largest eigenvalue are round-off
 EIGENVALUE_RTOL = 1e-6
 _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
+
+
+def layer_groups(sliding_windows: Sequence[int | None], span: int) -> list[list[int]]:
+    """The layers each layer basis spans, one list per row of the layer tensors: `span` consecutive layers of one
+    attention kind (`sliding_windows[i]`: layer i's window, None for full attention), in the order of each span's last
+    layer. Raises ValueError where `span` does not divide the number of layers of some kind."""
+    kinds: dict[int | None, list[int]] = {}
+    for i, window in enumerate(sliding_windows):
+        kinds.setdefault(window, []).append(i)
+    counts = {window: len(layers) for window, layers in kinds.items()}
+    if span < 1 or any(n % span for n in counts.values()):
+        fits = [s for s in range(1, min(counts.values()) + 1) if all(n % s == 0 for n in counts.values())]
+        named = ", ".join(f"{n} {'full-attention' if w is None else f'sliding ({w})'}" for w, n in counts.items())
+        raise ValueError(f"layers_per_basis={span}: a basis spans layers of one attention kind, and it must divide "
+                         f"the number of layers of each ({named}); pass one of {fits}.")
+    spans = [layers[j:j + span] for layers in kinds.values() for j in range(0, len(layers), span)]
+    return sorted(spans, key=lambda layers: layers[-1])
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -58,7 +58,8 @@ span's middle; each other layer of the span (a member) holds none of its own and
 through its own rows of the span's basis. A member's tokens leaving its window are `parked` with the owner, which
 codes them with its own in one go (`_code`); layers run in order, so the span's middle is whole at every forward's
 start, and nothing reads a member between its forward and the owner's. Bytes are counted once, at the owner; whole-
-cache operations touch each layer's own tensors, and `crop` leaves the span's middle to the owner (cropped last).
+cache operations touch each layer's own tensors, and `crop` leaves the span's middle to the owner (cropped last). A
+span's layers are of one attention kind; in a sliding span the owner also drops the oldest tokens for all (`_slide`).
 
 A `LatentCache` belongs to one patch: it records the patch's fingerprint (artifact checksum + methods)
 and a patched model refuses a cache written under another patch, or any other cache (`check_cache`, the one check
@@ -163,6 +164,7 @@ class LatentLayer(CacheLayerMixin):
         # a basis across layers (its codecs' `span` > 1): each member's middle is its span's, held by the span's last
         # layer (`owner`), which codes the tokens its members `parked` this forward with its own (see the module doc)
         self.owner: LatentLayer | None = None
+        self.members: list[LatentLayer] = []  # the owner's: the span's other layers
         self.parked: list[list[torch.Tensor]] = []
 
     # ----- the layer contract -------------------------------------------------------------------------
@@ -223,7 +225,7 @@ class LatentLayer(CacheLayerMixin):
             with torch.profiler.record_function("patchkv::encode"):
                 self._encode(leaving, observed)
         if self.is_sliding and not self.record_past:
-            self._keep_last(self.sliding_window - 1)
+            self._slide()
         if self.window_bits != 16:
             t["recent_keys"], t["recent_values"], t[WINDOW_SCALE] = _copies(t["recent_keys"], t["recent_values"],
                                                                             self.window_bits)
@@ -439,6 +441,18 @@ class LatentLayer(CacheLayerMixin):
             score = t["salient_score"].squeeze(-1).masked_fill(~valid, float("-inf"))
             t.update(_best({name: t[name] for name in SALIENT}, score, keep))
 
+    def _slide(self) -> None:
+        """A sliding layer keeps its last `sliding_window - 1` tokens. A span's other layers leave that to its last
+        layer, which holds their middle (and runs after them): it trims its own regions, then their sinks to its own
+        (every layer of the span has seen the same tokens and keeps the same window)."""
+        if self.owner is not None:
+            return
+        self._keep_last(self.sliding_window - 1)
+        for member in self.members:
+            drop = member.sink_len - self.sink_len
+            for kind in ("keys", "values") if drop > 0 else ():
+                member.tensors[f"sink_{kind}"] = member.tensors[f"sink_{kind}"][:, :, drop:].clone()
+
     def _keep_last(self, n: int) -> None:
         """A sliding layer keeps its last n tokens: the oldest leave first, sinks then middle (copied out, the middle
         into a new paged buffer, so the dropped ones and the old buffer are freed; the window is never longer than
@@ -641,7 +655,7 @@ class LatentLayer(CacheLayerMixin):
         self._drop_salient_past(self.coded_len)
         self.cumulative_length -= removed
         if self.is_sliding:
-            self._keep_last(self.sliding_window - 1)
+            self._slide()
 
     def _crop_kept(self, remove: int) -> int:
         """Before a crop of the last `remove` tokens of the sequence: the bitmap cut to the tokens that left the window
@@ -696,7 +710,8 @@ class LatentCache(Cache):
         for i, layer in enumerate(layers):  # a basis across layers: its members read the codes its last layer holds
             codec = layer.patch.keys
             if codec.position < codec.span - 1:
-                layer.owner = layers[i - codec.position + codec.span - 1]
+                layer.owner = layers[codec.span_layers[-1]]
+                layer.owner.members.append(layer)
         if offloading and any(layer.owner is not None for layer in layers):
             raise PatchKVError("offloading moves each layer's tensors between its forwards, and layers sharing a basis "
                                "across layers read their span's codes from its last layer: use offloading=False, or "

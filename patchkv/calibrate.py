@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .adapters import adapter_for, attention_modules
 from .artifact import Artifact, Components
-from .artifact_format import MODES
+from .artifact_format import MODES, layer_groups
 from .compat import accelerate_hook, execution_device
 from .distributed import World, all_gather, all_reduce_sum, world
 from .errors import PatchKVError
@@ -86,8 +86,9 @@ def calibrate(
         then one latent that every head reads, which captures what the heads share. Costs a `[D, D]` moment per
         layer (D = kv_heads * head_dim) and `2 * layers * D * D` floats in the file (8.8 MB for SmolLM2, 268 MB
         for an 8-KV-head model of head_dim 128 and 32 layers).
-    layers_per_basis: with `layer_bases`, how many consecutive layers each basis spans (it must divide the layer
-        count): 1 (the default) one per layer; S > 1 one PCA per span of S layers over their heads concatenated
+    layers_per_basis: with `layer_bases`, how many layers each basis spans, consecutive layers of one attention kind
+        (it must divide the number of layers of each kind: full attention, each sliding window): 1 (the default) one
+        per layer; S > 1 one PCA per span of S layers over their heads concatenated
         (`S * D` dims, artifact format version 7), with effect weights from the span's whole Fisher matrix, cross-layer
         terms included (KVTC's bases across layers). The file holds `2 * layers * S * D * D` floats (44 MB for SmolLM2
         at S = 5).
@@ -114,13 +115,12 @@ def calibrate(
     _check_unsharded(texts_or_dataloader, here)
 
     span = layers_per_basis if layer_bases else 0
-    if span and len(modules) % span:
-        raise ValueError(f"layers_per_basis={span} must divide the model's {len(modules)} layers; pass one of "
-                         f"{[s for s in range(1, len(modules) + 1) if len(modules) % s == 0]}.")
+    groups = layer_groups([adapter.sliding_window(m) for m in modules], span) if span else []  # refuses a bad span
+    group_of = {layer: (g, layers) for g, layers in enumerate(groups) for layer in layers}
     stats = {kind: [CovarianceAccumulator(heads, dim) for _ in modules] for kind in ("keys", "values")}
-    layer_stats = {kind: [CovarianceAccumulator(1, span * heads * dim) for _ in range(len(modules) // span)]
-                   for kind in ("keys", "values")} if span else {}
-    spanned: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # the span's layers so far: [n, heads * dim]
+    layer_stats = {kind: [CovarianceAccumulator(1, span * heads * dim) for _ in groups] for kind in ("keys", "values")}
+    spanned: dict[str, dict[int, list[torch.Tensor]]] = {"keys": {}, "values": {}}  # each span's layers so far:
+    # [n, heads * dim] each
     token_mask: list[torch.Tensor] = []  # the current batch's [batch, seq] mask of tokens to count
 
     def collect(attn: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -142,11 +142,12 @@ def calibrate(
                     stats[kind][attn.layer_idx].add(x.transpose(0, 1)[:, token_mask[0].to(x.device)])
                     if span:  # [batch, heads, seq, dim] -> [n, heads * dim]: the heads concatenated
                         kept = x.transpose(1, 2)[token_mask[0].to(x.device)]
-                        spanned[kind].append(kept.reshape(kept.shape[0], -1))
-                        if len(spanned[kind]) == span:  # the span's last layer: its layers concatenated (on its device)
-                            whole = torch.cat([part.to(x.device) for part in spanned[kind]], 1)
-                            layer_stats[kind][attn.layer_idx // span].add(whole.unsqueeze(0))
-                            spanned[kind].clear()
+                        group, layers = group_of[attn.layer_idx]
+                        parts = spanned[kind].setdefault(group, [])
+                        parts.append(kept.reshape(kept.shape[0], -1))
+                        if attn.layer_idx == layers[-1]:  # the span's last layer: its layers concatenated (its device)
+                            layer_stats[kind][group].add(torch.cat([p.to(x.device) for p in parts], 1).unsqueeze(0))
+                            parts.clear()
         finally:
             if hook is not None:
                 hook.post_forward(attn, None)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import AttentionAdapter
+from .artifact_format import layer_groups
 from .attention import attention_forward
 from .compat import accelerate_hook
 from .key_space import MODES
@@ -92,10 +93,11 @@ class FisherCapture:
             fisher.step(input_ids, attention_mask, position_ids)    # one [1, seq] row at a time
         fisher.keys, fisher.values   # float64 [layers, kv_heads, head_dim, head_dim] sums; fisher.count tokens
 
-    With `layers=S` >= 1 it also accumulates the whole Fisher matrix of each span of S consecutive layers over their
-    KV heads concatenated, `fisher.layer_keys`, `fisher.layer_values` float64 `[layers / S, S * D, S * D]`
-    (D = kv_heads * head_dim; the per-head matrices are its diagonal blocks, and with S > 1 it holds the cross-layer
-    terms), for the effect weights of layer bases (S = 1: one per layer).
+    With `layers=S` >= 1 it also accumulates the whole Fisher matrix of each span of S layers (S consecutive layers of
+    one attention kind, `patchkv.artifact_format.layer_groups`) over their KV heads concatenated, `fisher.layer_keys`,
+    `fisher.layer_values` float64 `[layers / S, S * D, S * D]` (D = kv_heads * head_dim; the per-head matrices are its
+    diagonal blocks, and with S > 1 it holds the cross-layer terms), for the effect weights of layer bases (S = 1: one
+    per layer).
     """
 
     def __init__(self, model: nn.Module, adapter: AttentionAdapter, modules: list[nn.Module], *, mode: str,
@@ -106,17 +108,15 @@ class FisherCapture:
         self.keys = torch.zeros(len(modules), heads, dim, dim, dtype=torch.float64)
         self.values = torch.zeros_like(self.keys)
         self.span, width = int(layers), int(layers) * heads * dim
-        if self.span and len(modules) % self.span:
-            raise ValueError(f"layer bases spanning {self.span} layers need a layer count divisible by it; the model "
-                             f"has {len(modules)}.")
-        groups = len(modules) // self.span if self.span else 0
-        self.layer_keys = torch.zeros(groups, width, width, dtype=torch.float64) if layers else None
+        windows = [adapter.sliding_window(m) for m in modules]
+        self.groups = layer_groups(windows, self.span) if self.span else []  # raises where S does not divide a kind
+        self.layer_keys = torch.zeros(len(self.groups), width, width, dtype=torch.float64) if layers else None
         self.layer_values = torch.zeros_like(self.layer_keys) if layers else None
         self.count = 0
         self.row: dict[str, Any] | None = None  # the row being measured: masks and perturbations
         self._restore: list[tuple[nn.Module, Any]] = []
         # what the attention path reads of a patch: adapter, mode, rotary tables (no codecs: the probe has no middle)
-        patch = Patch(adapter, MODES[mode], build_plan([]), None, "fisher", [adapter.sliding_window(m) for m in modules])
+        patch = Patch(adapter, MODES[mode], build_plan([]), None, "fisher", windows)
         rotary, tables = adapter.rotary_embedding(model), {}
         self.layers = [LayerPatch(patch, attn.layer_idx, None, None,
                                   tables.setdefault(adapter.rope_key(attn), RopeTable(adapter, rotary, attn)))
@@ -196,8 +196,8 @@ class FisherCapture:
                     flat[kind].append(None if g is None else g.transpose(0, 1).reshape(n, heads * dim))
         for kind in ("keys", "values") if self.span else ():
             whole = getattr(self, f"layer_{kind}")
-            for group in range(whole.shape[0]):
-                parts = flat[kind][group * self.span:(group + 1) * self.span]
+            for group, layers in enumerate(self.groups):
+                parts = [flat[kind][layer] for layer in layers]
                 device = next((p.device for p in parts if p is not None), None)  # the span's last layer's may differ
                 if device is None:
                     continue

@@ -114,9 +114,10 @@ class Codec:
     width: int
     stored_dtype: torch.dtype
     table: ComponentTable
-    #: how many consecutive layers share the codes this codec reads (a basis across layers, artifact format 7), and
-    #: this codec's layer among them: 1 and 0 for a layer's own codes
+    #: how many layers share the codes this codec reads (a basis across layers, artifact format 7), those layers in
+    #: order and this codec's place among them: 1, () and 0 for a layer's own codes
     span: int = 1
+    span_layers: tuple[int, ...] = ()
     position: int = 0
 
     def set_table(self, table: ComponentTable, components: torch.Tensor) -> None:

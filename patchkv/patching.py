@@ -88,7 +88,7 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
                   [adapter.sliding_window(m) for m in modules], dtype=dtype, query_groups=groups)
     codecs, near = patch.codecs(dtype)
     if codecs[0][0].span > 1:
-        check_span(plan, patch.sliding_windows, codecs[0][0].span)
+        check_span(plan, codecs[0][0].span)
     layer_patches = [LayerPatch(patch, attn.layer_idx, keys, values, tables[adapter.rope_key(attn)], *near_pair)
                      for attn, (keys, values), near_pair in zip(modules, codecs, near)]
     patch.layers = layer_patches
@@ -100,19 +100,15 @@ def apply(model: nn.Module, artifact: Artifact | str | PathLike, methods: Sequen
     return model
 
 
-def check_span(plan: CachePlan, sliding_windows: list[int | None], span: int) -> None:
+def check_span(plan: CachePlan, span: int) -> None:
     """What a cache on bases across `span` layers does not do yet (each span's codes are made and held by its last
-    layer, `patchkv.cache`): methods that rank, copy or recode a layer's coded tokens, and sliding-window layers."""
+    layer, `patchkv.cache`): methods that rank, copy or recode a layer's coded tokens."""
     others = [m.spec() for m in (plan.selector, plan.salience, plan.near, plan.evict) if m is not None]
     if others:
         raise PatchKVError(f"this artifact's layer bases span {span} layers, and the cache codes each span's tokens "
                            f"once for all its layers; {', '.join(others)} ranks, copies or recodes each layer's "
                            "own coded tokens, which it cannot do on them yet: drop it, or use an artifact calibrated "
                            "with layers_per_basis=1.")
-    if any(w is not None for w in sliding_windows):
-        raise PatchKVError(f"this artifact's layer bases span {span} layers, and this model has sliding-window layers, "
-                           "whose caches drop tokens their span's other layers keep: use an artifact calibrated with "
-                           "layers_per_basis=1 for it.")
 
 
 def _install(model: nn.Module, patch: Patch, modules: list[nn.Module], layer_patches: list[LayerPatch]) -> None:

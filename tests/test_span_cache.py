@@ -161,15 +161,62 @@ def test_a_saved_cache_of_span_codes_continues_exactly_and_a_member_with_a_middl
             patchkv.load_cache(model, tmp_path / "doubled.safetensors")
 
 
-def test_sliding_window_models_and_offloading_are_refused_on_span_codes(model, spanned):
-    gemma = make_model("gemma3")
-    art = patchkv.calibrate(gemma, calibration_ids(8, 48), mode="pre_rope", layers_per_basis=2, **OPTIONS)
-    with pytest.raises(PatchKVError, match="sliding-window layers"):
-        patchkv.apply(gemma, art, methods=[patchkv.Quantized(24, "head", "layer")])
-    assert not patchkv.is_patched(gemma)
+def test_offloading_is_refused_on_span_codes(model, spanned):
     with patchkv.patched(model, spanned, methods=[patchkv.Quantized(24, "head", "layer")]):
         with pytest.raises(PatchKVError, match="use offloading=False"):
             patchkv.LatentCache(model, offloading=True)
+
+
+GEMMA_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return make_model("gemma3", num_hidden_layers=6, layer_types=GEMMA_TYPES)
+
+
+@pytest.fixture(scope="module")
+def gemma_spanned(gemma):
+    return patchkv.calibrate(gemma, calibration_ids(32, 64), mode="pre_rope", layers_per_basis=2, **OPTIONS)
+
+
+def test_a_span_holds_layers_of_one_attention_kind(gemma, gemma_spanned):
+    assert gemma_spanned.layer_groups == [[0, 1], [3, 4], [2, 5]]  # sliding, sliding, full: by each span's last layer
+    with pytest.raises(ValueError, match=r"must divide the number of layers of each \(4 sliding \(10\), 2 "
+                                         r"full-attention\); pass one of \[1, 2\]"):
+        patchkv.calibrate(gemma, calibration_ids(2, 16), mode="pre_rope", layers_per_basis=3, **OPTIONS)
+    codecs = patchkv.Quantized(24, "head", "layer").codecs(gemma_spanned, [2] * 6, torch.float32)
+    assert [(k.span_layers, k.position) for k, _ in codecs] == [((0, 1), 0), ((0, 1), 1), ((2, 5), 0),
+                                                               ((3, 4), 0), ((3, 4), 1), ((2, 5), 1)]
+
+
+def test_sliding_spans_keep_their_window_and_approach_exact_at_full_rate(gemma, gemma_spanned):
+    ids = calibration_ids(2, 48, seed=3)  # past the sliding window of 10
+    reference = fed_in_chunks(gemma, ids, 8)
+    errors = {}
+    for bits in (12, 128):
+        with patchkv.patched(gemma, gemma_spanned, [patchkv.SinksWindow(2, 4), patchkv.Quantized(bits, "head",
+                                                                                                  "layer")]):
+            errors[bits] = float((fed_in_chunks(gemma, ids, 8) - reference).abs().max() / reference.abs().max())
+            cache = gemma(ids, use_cache=True).cache
+            kept = [layer.kept for layer in cache.layers]
+            coded = [layer.tensors["latent_keys"].shape[2] for layer in cache.layers]
+    assert kept == [9, 9, 48, 9, 9, 48]  # the sliding layers their last window - 1 tokens, the full ones every token
+    assert coded == [0, 5, 0, 0, 5, 42]  # held by each span's last layer: 9 less a window of 4 (the sinks gone)
+    assert [layer.sink_len for layer in cache.layers] == [0, 0, 2, 0, 0, 2]
+    assert errors[128] < 0.02 < errors[12]
+
+
+def test_decode_and_generate_on_sliding_spans(gemma, gemma_spanned):
+    ids = calibration_ids(2, 30, seed=10)
+    with patchkv.patched(gemma, gemma_spanned, [patchkv.SinksWindow(2, 4), patchkv.Quantized(24, "global", "layer")]):
+        greedy = gemma.generate(ids, max_new_tokens=6, do_sample=False)
+        cache, step, manual = None, ids, []
+        for _ in range(6):
+            out = gemma(step, cache=cache, use_cache=True)
+            cache, step = out.cache, out.logits[:, -1:].argmax(-1)
+            manual.append(step)
+    assert torch.equal(greedy[:, 30:], torch.cat(manual, dim=1))
 
 
 def test_a_span_member_never_codes_on_its_rows(spanned):

@@ -105,7 +105,8 @@ def test_keys_and_values_spanning_different_layers_are_refused(per_layer, spanne
 
 
 def test_a_span_must_divide_the_layers(model):  # noqa: F811
-    with pytest.raises(ValueError, match=r"layers_per_basis=3 must divide the model's 2 layers; pass one of \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"must divide the number of layers of each \(2 full-attention\); pass one "
+                                         r"of \[1, 2\]"):
         patchkv.calibrate(model, calibration_ids(2, 16), layers_per_basis=3, **OPTIONS)
     with pytest.raises(ValueError, match="layers_per_basis must be an integer >= 1"):
         patchkv.calibrate(model, calibration_ids(2, 16), layers_per_basis=0, **OPTIONS)

@@ -23,11 +23,11 @@ Two bases (`basis`):
   components by the layer's whole Fisher matrix (artifact `layer_weights`). Step scales are read for the budget as
   for "head", averaged over each layer's heads (they were fitted on the per-head bases).
   On an artifact whose layer bases span S layers (format version 7, `calibrate(..., layers_per_basis=S)`) one
-  latent per token codes S consecutive layers: each layer reads it through its rows of the span's basis
-  (`SpanQuantizedCodec`), and the cache codes and holds it at the span's last layer (`patchkv.cache`). The
-  budget is spent per span (`bits x kv_heads x S` per span at pool "head"); step scales are averaged over the
-  span's heads. Methods that rank, copy or recode one layer's coded tokens, and sliding-window models, are refused
-  on them (`patchkv.patching.check_span`).
+  latent per token codes S layers (consecutive layers of one attention kind): each layer reads it through its rows
+  of the span's basis (`SpanQuantizedCodec`), and the cache codes and holds it at the span's last layer
+  (`patchkv.cache`). The budget is spent per span (`bits x kv_heads x S` per span at pool "head"); step scales are
+  averaged over the span's heads. Methods that rank, copy or recode one layer's coded tokens are refused on them
+  (`patchkv.patching.check_span`).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class LayerQuantizedCodec(QuantizedCodec):
 
 
 class SpanQuantizedCodec(LayerQuantizedCodec):
-    """Layer `position` of a layer basis spanning `span` consecutive layers (artifact format version 7): it reads the
+    """Layer `position` of a layer basis spanning `span` layers (artifact format version 7): it reads the
     span's codes `uint8 [batch, 1, seq, bytes]`, one latent per token for all the span's layers, through its own rows
     of the span's basis (a `LayerBasis` on them: attention and the kernels read it as a layer basis). Those rows are
     not a basis of their own, so this codec never codes: the span's last layer (the owner, `owns`) codes every layer
@@ -113,15 +113,16 @@ class SpanQuantizedCodec(LayerQuantizedCodec):
 
     def __init__(self, mean: torch.Tensor, eigenvectors: torch.Tensor, rank: int, heads: int, query_groups: int,
                  dtype: torch.dtype, bits: torch.Tensor, eigenvalues: torch.Tensor, step_scale: float, position: int,
-                 span: int):
+                 layers: list[int]):
         """mean `[span * kv_heads * head_dim]`, eigenvectors `[span * kv_heads * head_dim, D]` (the span's basis,
-        layers in order, each layer's heads concatenated); bits, eigenvalues `[span * kv_heads * head_dim]` per span
-        component."""
+        its `layers` in order, each layer's heads concatenated); bits, eigenvalues `[span * kv_heads * head_dim]` per
+        span component; this codec's layer is `layers[position]`."""
+        span = len(layers)
         width = mean.shape[0] // span
         rows = slice(position * width, (position + 1) * width)
         basis = LayerBasis(mean[rows], eigenvectors[rows], rank, heads, query_groups, dtype)
         super().__init__(basis, bits, eigenvalues, step_scale)
-        self.position, self.span = position, span
+        self.position, self.span, self.span_layers = position, span, tuple(layers)
         self.owns = position == span - 1
         if self.owns:  # what coding needs: the whole span's mean and basis (the quantizer is the readers' own)
             self.span_mean, self.span_basis = mean.float(), eigenvectors[:, :rank].float()  # [S * D], [S * D, rank]
@@ -200,19 +201,21 @@ class Quantized(CodecMethod):
         allocation = layer_bit_allocation(artifact, self.bits, self.pool, self.context)  # refuses one without them
         scales = step_scales_for(artifact, self.bits, self.pool)
         heads, span = artifact.num_kv_heads, artifact.layers_per_basis
+        place = {layer: (unit, position) for unit, layers in enumerate(artifact.layer_groups)
+                 for position, layer in enumerate(layers)}
         out = []
         for i, groups in enumerate(query_groups):
-            unit, position = divmod(i, span)  # the basis and this layer's place in it
+            unit, position = place[i]  # the basis and this layer's place in it
+            layers = artifact.layer_groups[unit]
             pair = []
             for kind, c, bits in ((0, artifact.keys, allocation[0][unit]), (1, artifact.values, allocation[1][unit])):
                 rank = int(bits.nonzero().max()) + 1 if bits.any() else 1
-                layers = range(unit * span, (unit + 1) * span)  # step scales averaged over the span's heads
-                scale = 1.0 if scales is None else float(scales[kind][layers.start:layers.stop].double().mean())
+                scale = 1.0 if scales is None else float(scales[kind][layers].double().mean())  # over the span's heads
                 if span == 1:
                     basis = LayerBasis(c.layer_mean[unit], c.layer_eigenvectors[unit], rank, heads, groups, dtype)
                     pair.append(LayerQuantizedCodec(basis, bits, c.layer_eigenvalues[unit], scale))
                 else:
                     pair.append(SpanQuantizedCodec(c.layer_mean[unit], c.layer_eigenvectors[unit], rank, heads, groups,
-                                                   dtype, bits, c.layer_eigenvalues[unit], scale, position, span))
+                                                   dtype, bits, c.layer_eigenvalues[unit], scale, position, layers))
             out.append(tuple(pair))
         return out
