@@ -159,7 +159,7 @@ class Budget:
     def __str__(self) -> str:
         size = f"{self.ratio:g}x" if self.ratio is not None else f"{self.bits} bits"
         return size + "".join(f"+{m.spec()}" for m in (self.regions, self.near, self.evict, self.salience)
-                              if m is not None)
+                              if m is not None) + (" on layer bases" if self.basis == "layer" else "")
 
     @property
     def exact(self) -> SinksWindow:

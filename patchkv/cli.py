@@ -20,6 +20,7 @@ before any model is run; so does any other failure (a full disk, an unexpected e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from .allocation import bit_allocation, default_pool, full_kv_bytes_per_token, kv_bytes_per_token
+from .allocation import BASES, bit_allocation, default_pool, full_kv_bytes_per_token, kv_bytes_per_token
 from .artifact_format import FILENAME
 from .errors import IncompatibleArtifactError, PatchKVError
 from .hub import expand_user
@@ -360,7 +361,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def _layer_bases(span: int) -> str:
     """What `info` says of an artifact's layer bases, each spanning `span` layers (0: none)."""
     if span > 1:
-        return f"yes, each spanning {span} layers (the cache does not code on bases across layers yet)"
+        return f"yes, each spanning {span} layers (quantized:basis=layer codes on them)"
     return "yes (quantized:basis=layer available)" if span else "no"
 
 
@@ -397,7 +398,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     model, tokenizer = _load_model(args.model, args.dtype)
     art.check_compatible(model)
     start = time.perf_counter()
-    rows = report(model, tokenizer, art, texts, budgets=args.budgets, context=args.context, chunk=args.chunk,
+    budgets = [dataclasses.replace(b, basis=args.basis) for b in args.budgets]
+    rows = report(model, tokenizer, art, texts, budgets=budgets, context=args.context, chunk=args.chunk,
                   depths=tuple(args.needle_depths), quantized_cache=not args.no_quantized_cache,
                   progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(table(rows))
@@ -453,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also calibrate one basis per layer over its KV heads (artifact version 5), for "
                         "--method quantized:basis=layer")
     c.add_argument("--layers-per-basis", type=positive_int, default=1,
-                   help="with --layer-bases, consecutive layers each basis spans (dividing the layer count; artifact "
-                        "version 7 when more than 1: bases across layers, which the cache does not code on yet)")
+                   help="with --layer-bases, layers each basis spans, consecutive ones of one attention kind "
+                        "(dividing each kind's layer count; artifact version 7 when more than 1: bases across layers)")
     c.add_argument("--window", "--fisher-window", dest="window", type=non_negative_int, default=32,
                    help="recent tokens kept exact, for effect weights and step scales (the window you will apply)")
     c.add_argument("--budgets", type=budget_list, default="4x,8x,16x",  # patchkv.budgets.DEFAULT_BUDGETS
@@ -523,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--context", type=positive_int, default=4096, help="tokens of each text scored (and the needle's "
                                                                       "haystack)")
     r.add_argument("--chunk", type=positive_int, default=64, help="tokens per forward through the cache")
+    r.add_argument("--basis", choices=BASES, default="head",
+                   help="the bases the budgets code on: each KV head's, or the artifact's layer bases ('layer'; "
+                        "across layers where it was calibrated with --layers-per-basis)")
     r.add_argument("--needle-depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.5],
                    help="where the needle goes, as fractions of the haystack, e.g. 0.1,0.5,0.9")
     r.add_argument("--no-quantized-cache", action="store_true", help="skip transformers' QuantizedCache rows")
