@@ -27,12 +27,19 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
+#: tracked files a change to which leaves a checkout clean: the results the benchmarks append to (a run's records
+#: would make the next run's look run from changed code)
+RESULTS = "evals/results"
+
+
 def commit() -> str:
-    """The checkout's short commit, with `+dirty` if tracked files changed; "unknown" outside a git checkout."""
+    """The checkout's short commit, with `+dirty` if tracked files other than `RESULTS` changed; "unknown" outside a
+    git checkout."""
     head = _git("rev-parse", "--short", "HEAD")
     if head == "unknown":
         return head
-    return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS}")
+    return head + ("+dirty" if changed else "")
 
 
 def machine() -> str:

@@ -127,3 +127,27 @@ def test_the_reference_models_dtype_is_bfloat16_unless_the_variable_names_anothe
     monkeypatch.setenv("PATCHKV_EVALS_DTYPE", "fp16")
     with pytest.raises(SystemExit, match="expected one of bfloat16, float32"):
         models_dtype()
+
+
+def test_a_checkout_is_dirty_when_code_changes_not_when_a_run_appends_results(tmp_path, monkeypatch):
+    import subprocess
+
+    from patchkv import provenance
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "evals" / "results").mkdir(parents=True)
+    (tmp_path / "evals" / "results" / "records.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    monkeypatch.setattr(provenance, "CHECKOUT", tmp_path)
+    clean = provenance.commit()
+    assert clean != "unknown" and not clean.endswith("+dirty")
+    (tmp_path / "evals" / "results" / "records.jsonl").write_text("{}\n{}\n")
+    assert provenance.commit() == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert provenance.commit() == clean + "+dirty"
