@@ -451,11 +451,13 @@ def fake_report_model(monkeypatch):
 
 def test_report_refuses_texts_it_cannot_measure_and_an_empty_out(tmp_path, capsys, tiny_artifact,
                                                                  fake_report_model):
-    """An empty text, one shorter than the context (bytes per token and perplexity would be measured below it) and
-    `--out ''` are one line each, before anything is scored."""
+    """An empty text, one shorter than the context (bytes per token and perplexity would be measured below it),
+    `--out ''` and `--basis layer` on an artifact without layer bases are one line each, before anything is
+    scored."""
     art = str(tiny_artifact.save(tmp_path / "a.safetensors"))
     (tmp_path / "empty.txt").write_text(" \n")
     (tmp_path / "short.txt").write_text("x" * 99)
+    (tmp_path / "long.txt").write_text("x" * 999)
     report = ["report", "--model", MODEL, "--artifact", art, "--context", "512", "--budgets", "4x"]
     for argv, status, fragment in [
         ([*report, "--text", str(tmp_path / "empty.txt")], 1, f"--text {tmp_path / 'empty.txt'}: the text is empty"),
@@ -463,6 +465,8 @@ def test_report_refuses_texts_it_cannot_measure_and_an_empty_out(tmp_path, capsy
          "text 'short' has 100 tokens, fewer than the context of 512 it is scored at; give a longer text or a "
          "smaller context (--context 100 or less)"),
         ([*report, "--out", ""], 2, "--out '': expected a folder"),
+        ([*report, "--text", str(tmp_path / "long.txt"), "--basis", "layer"], 1,
+         "basis='layer' codes on the artifact's layer bases, and this artifact has none"),
     ]:
         code, _, err = run_main(argv, capsys)
         assert_one_line_error(code, err, status, fragment)
