@@ -53,7 +53,7 @@ the read-only `keys`/`values` views) and by the attention path (a salience metho
 here.
 
 On layer bases across layers (codecs whose `span` is S > 1, artifact format version 7) one code per token serves S
-consecutive layers, made from their keys (or values) concatenated. The span's last layer (its `owner`) holds the
+layers (consecutive layers of one attention kind), made from their keys (or values) concatenated. The span's last layer (its `owner`) holds the
 span's middle; each other layer of the span (a member) holds none of its own and reads the owner's (`middle`)
 through its own rows of the span's basis. A member's tokens leaving its window are `parked` with the owner, which
 codes them with its own in one go (`_code`); layers run in order, so the span's middle is whole at every forward's
