@@ -912,7 +912,7 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def no_near(lp: LayerPatch, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
     """Empty near regions (as `lp`'s near codecs store them) for a layer whose keys and values are like `keys`,
     `values` `[batch, kv_heads, n, head_dim]` (a cache file written before near regions existed)."""
-    return {"near_keys": lp.near_keys.encode(_empty(keys)), "near_values": lp.near_values.encode(_empty(values))}
+    return {"near_keys": lp.near_keys.empty(keys), "near_values": lp.near_values.empty(values)}
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
