@@ -209,6 +209,9 @@ class Artifacts(Mapping):
             self.loaded[name] = patchkv.Artifact.load(file).to_dtype(self.dtype)
         return self.loaded[name]
 
+    def __contains__(self, name: object) -> bool:  # without loading it (Mapping's would)
+        return name in self.names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
