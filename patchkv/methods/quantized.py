@@ -201,12 +201,11 @@ class Quantized(CodecMethod):
         allocation = layer_bit_allocation(artifact, self.bits, self.pool, self.context)  # refuses one without them
         scales = step_scales_for(artifact, self.bits, self.pool)
         heads, span = artifact.num_kv_heads, artifact.layers_per_basis
-        place = {layer: (unit, position) for unit, layers in enumerate(artifact.layer_groups)
+        place = {layer: (unit, position, layers) for unit, layers in enumerate(artifact.layer_groups)
                  for position, layer in enumerate(layers)}
         out = []
         for i, groups in enumerate(query_groups):
-            unit, position = place[i]  # the basis and this layer's place in it
-            layers = artifact.layer_groups[unit]
+            unit, position, layers = place[i]  # the basis, this layer's place in it and the layers it spans
             pair = []
             for kind, c, bits in ((0, artifact.keys, allocation[0][unit]), (1, artifact.values, allocation[1][unit])):
                 rank = int(bits.nonzero().max()) + 1 if bits.any() else 1
