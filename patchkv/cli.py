@@ -224,7 +224,7 @@ def _grid_edge_note(budget, artifact, bits: int, pool: str) -> str | None:
                 if (f.get("bits"), f.get("pool")) == (bits, pool)), {})
     if not fit.get("edges"):
         return None
-    grid = fit["grid"]
+    grid = sorted({*fit["grid"], *(s for beyond in fit.get("beyond", {}).values() for s in beyond)})
     wider = set(grid)
     for edge in set(fit["edges"].values()):
         end = min(grid) if edge == "lowest" else max(grid)

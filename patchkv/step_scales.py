@@ -22,8 +22,10 @@ tried on SmolLM2 and lost to one scale per kind on held-out perplexity.
 Scales are fitted per budget: the artifact keeps one set per `(bits, pool)` (`Artifact.step_budgets`, format
 version 4), and `Quantized(bits, pool)` reads the set fitted for its budget, or for the nearest of its pool
 (`patchkv.allocation.step_scales_for`). Each fit's trials are recorded, for information, in
-`calibration["step_scale_fits"]`, with its grid and the scales that sit at an end of it (`grid_edges`: the loss may
-fall further past that end; `patchkv calibrate` then says so and offers a wider `--step-grid`).
+`calibration["step_scale_fits"]`, with its grid. A scale that wins at an end of the grid is searched on past it, a
+multiplier at a time at the grid's spacing there, while the loss falls (`extend`, 3 by default: Gemma 3 270M's
+scales fit at the grid's lowest end, 1.0, for 8x and 16x). One still at an end after that is recorded
+(`grid_edges`); `patchkv calibrate` then says so and offers a wider `--step-grid`.
 """
 
 from __future__ import annotations
@@ -45,21 +47,27 @@ from .perplexity import token_nll
 
 #: step multipliers tried, for keys and for values
 GRID = (1.0, 1.25, 1.5, 1.75)
+#: multipliers tried past an end of the grid, one at a time while the loss still falls there
+EXTEND = 3
 #: the loss reads the unpatched model's this many likeliest next tokens at each position (and the targets)
 TOP = 64
 
 
 @torch.no_grad()
 def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tensor, *, bits: int, pool: str = "head",
-                    context: int | None = None, sink_tokens: int = 4, window: int = 32, chunk: int | None = None,
-                    grid: tuple[float, ...] = GRID, passes: int = 3, top: int | None = TOP) -> Artifact:
-    """A copy of `artifact` with step scales (format version 4) fitted for `Quantized(bits, pool, context=context)`
-    (a budget's codes, `Budget.quantized`: `context` prices the pool of a model with sliding-window layers) behind
+                    basis: str = "head", context: int | None = None, sink_tokens: int = 4, window: int = 32,
+                    chunk: int | None = None, grid: tuple[float, ...] = GRID, passes: int = 3, top: int | None = TOP,
+                    extend: int = EXTEND) -> Artifact:
+    """A copy of `artifact` with step scales (format version 4) fitted for `Quantized(bits, pool, basis, context)`
+    (a budget's codes, `Budget.quantized`: `basis` "layer" codes on the artifact's layer bases, `context` prices
+    the pool of a model with sliding-window layers) behind
     `SinksWindow(sink_tokens, window)` on `input_ids` `[batch, seq]` (unpadded calibration text, held out from
     what you evaluate on), fed `chunk` tokens per forward (default: half the window, at least 1). `model` is
     the unpatched model the artifact was calibrated for. The search is coordinate-wise over `grid`: the keys'
     scale, then the values', then the keys' again (`passes` 3; 2 stops after the values, 7 losses instead of
-    10)."""
+    10). Where a kind's best multiplier is an end of those tried, the next one past it (the grid's spacing at that
+    end, as a ratio: 1.0, 1.25, ... goes on to 0.8, 0.64) is tried, up to `extend` times while the loss falls; the
+    fit records those (`beyond`) and the ends it still sits at (`edges`)."""
     if is_patched(model):
         raise PatchKVError("fit_step_scales() needs the original model, but this model is patched by patchkv. "
                            "Call patchkv.remove(model) first.")
@@ -69,12 +77,14 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
                          f"{sink_tokens + window + 1}, got shape {tuple(input_ids.shape)}.")
     if not grid or min(grid) <= 0:
         raise ValueError(f"grid must hold step multipliers > 0, got {grid}.")
+    if isinstance(extend, bool) or not isinstance(extend, int) or extend < 0:
+        raise ValueError(f"extend must be a non-negative integer (0: the grid only), got {extend!r}.")
     if passes not in (1, 2, 3):
         raise ValueError(f"passes must be 1, 2 or 3, got {passes}.")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
         raise ValueError(f"top must be a positive integer (or None: the whole vocabulary), got {top!r}.")
     chunk = chunk or max(1, window // 2)
-    methods = [SinksWindow(sink_tokens, window), Quantized(bits, pool=pool, context=context)]
+    methods = [SinksWindow(sink_tokens, window), Quantized(bits, pool=pool, basis=basis, context=context)]
     tried: dict[tuple[float, float], float] = {}
     vocabulary = loss_vocabulary(model, input_ids, top) if top is not None else None
     targets = torch.searchsorted(vocabulary, input_ids.to(vocabulary.device)) if vocabulary is not None else None
@@ -85,18 +95,36 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
                 tried[scales] = token_loss(model, input_ids, chunk, targets)
         return tried[scales]
 
+    searched = [sorted(set(grid)), sorted(set(grid))]  # per kind: the grid and the multipliers tried past it
     best = (1.0, 1.0)
+
+    def at(kind: int, scale: float) -> tuple[float, float]:
+        return (scale, best[1]) if kind == 0 else (best[0], scale)
+
     with restricted_head(model, vocabulary):
         for kind in (0, 1, 0)[:passes]:  # keys, values, keys again
-            candidates = [tuple(s if i == kind else best[i] for i in range(2)) for s in grid]
-            best = min(candidates, key=lambda c: (loss(c), c))
+            best = min((at(kind, s) for s in searched[kind]), key=lambda c: (loss(c), c))
+            for _ in range(extend):  # past an end of what was searched while the loss still falls there
+                ends = searched[kind]
+                if len(ends) < 2 or best[kind] not in (ends[0], ends[-1]):
+                    break
+                beyond = ends[0] * ends[0] / ends[1] if best[kind] == ends[0] else ends[-1] * ends[-1] / ends[-2]
+                beyond = round(beyond, 4)
+                searched[kind] = sorted({*ends, beyond})
+                best = min((best, at(kind, beyond)), key=lambda c: (loss(c), c))
+                if best[kind] != beyond:
+                    break
     out = with_step_scales(artifact, *best, bits=bits, pool=pool)
     fits = [f for f in artifact.calibration.get("step_scale_fits", []) if isinstance(f, dict)
             and (f.get("bits"), f.get("pool")) != (bits, pool)]
     out.calibration["step_scale_fits"] = fits + [{
-        "bits": bits, "pool": pool, "sink_tokens": sink_tokens, "window": window, "chunk": chunk,
+        "bits": bits, "pool": pool, "basis": basis, "sink_tokens": sink_tokens, "window": window, "chunk": chunk,
         "tokens": int(input_ids.numel()), "keys": best[0], "values": best[1],
-        "grid": list(grid), "edges": grid_edges(best, grid),
+        "grid": list(grid), "extend": extend,
+        "beyond": {kind: [s for s in tried_kind if s not in grid] for kind, tried_kind in zip(KINDS, searched)
+                   if any(s not in grid for s in tried_kind)},
+        "edges": {kind: edge for i, kind in enumerate(KINDS)
+                  for found, edge in grid_edges(best, tuple(searched[i])).items() if found == kind},
         "loss_vocabulary": {"top": top, "tokens": int(vocabulary.numel()) if vocabulary is not None else None},
         "tried": [[k, v, round(nll, 6)] for (k, v), nll in sorted(tried.items())]}]
     return out

@@ -178,3 +178,23 @@ def test_a_saved_cache_of_layer_codes_continues_exactly(tmp_path, model, layered
         restored = patchkv.load_cache(model, saved.path)
         step = [model(more[:, i:i + 1], cache=c, use_cache=True).logits for c in (cache, restored) for i in range(1)]
         assert torch.equal(step[0], step[1])
+
+
+def test_step_scales_fitted_for_layer_codes_score_the_layer_codes(model, layered):
+    """`fit_step_scales(basis="layer")` tries the codes on the layer bases: its recorded loss is the model's own
+    patched with `Quantized(basis="layer")` and the fitted scales, and not the per-head codes' loss."""
+    ids = calibration_ids(2, 40, seed=9)
+    fitted = patchkv.fit_step_scales(model, layered, ids, bits=24, pool="global", basis="layer", sink_tokens=2,
+                                     window=4, grid=(1.0, 2.0), top=None, passes=2, extend=0)
+    fit = fitted.calibration["step_scale_fits"][-1]
+    assert (fit["bits"], fit["pool"], fit["basis"]) == (24, "global", "layer")
+    best = (fit["keys"], fit["values"])
+    losses = {}
+    for basis in ("layer", "head"):
+        methods = [patchkv.SinksWindow(2, 4), patchkv.Quantized(24, pool="global", basis=basis)]
+        with patchkv.patched(model, fitted, methods):
+            logprobs = fed_in_chunks(model, ids, fit["chunk"]).log_softmax(-1)[:, :-1]
+        losses[basis] = -logprobs.gather(-1, ids[:, 1:, None]).mean().item()
+    tried = {(k, v): nll for k, v, nll in fit["tried"]}
+    assert losses["layer"] == pytest.approx(tried[best], abs=1e-5)
+    assert losses["head"] != pytest.approx(tried[best], abs=1e-5)  # rounded to 1e-6 in the record

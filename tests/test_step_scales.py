@@ -22,7 +22,7 @@ from patchkv.step_scales import grid_edges, loss_vocabulary, restricted_head, to
 @pytest.fixture(scope="module")
 def fitted(model, weighted):
     return patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40, seed=9), bits=12, pool="global",
-                                   sink_tokens=2, window=4, grid=(1.0, 3.0), top=None)
+                                   sink_tokens=2, window=4, grid=(1.0, 3.0), top=None, extend=0)
 
 
 def test_version_4_round_trips_with_and_without_effect_weights(tmp_path, fitted):
@@ -195,6 +195,35 @@ def test_a_fit_records_its_grid_and_the_scales_at_either_end_of_it(fitted):
     assert grid_edges((1.25, 1.25), (1.0, 1.25, 1.5)) == {} and grid_edges((1.0, 1.0), (1.0,)) == {}
 
 
+def test_a_fit_at_an_end_of_the_grid_searches_on_past_it_while_the_loss_falls(model, weighted):
+    """A grid of steps far too wide (4 and 8 times the Gaussian-matched ones): both kinds win at its lowest end,
+    and the search goes on down at the grid's ratio (2, 1, 0.5) while the loss falls, never more than `extend`."""
+    ids = calibration_ids(2, 40, seed=9)
+    grid = (4.0, 8.0)
+    only = patchkv.fit_step_scales(model, weighted, ids, bits=12, pool="global", sink_tokens=2, window=4, grid=grid,
+                                   top=None, passes=2, extend=0).calibration["step_scale_fits"][-1]
+    assert (only["keys"], only["values"]) == (4.0, 4.0) and only["beyond"] == {}
+    assert only["edges"] == {"keys": "lowest", "values": "lowest"}
+    fit = patchkv.fit_step_scales(model, weighted, ids, bits=12, pool="global", sink_tokens=2, window=4, grid=grid,
+                                  top=None, passes=2, extend=3).calibration["step_scale_fits"][-1]
+    tried = {(k, v): nll for k, v, nll in fit["tried"]}
+    assert fit["keys"] < 4.0 and fit["values"] < 4.0  # the loss fell past the grid for both
+    for kind, i, line in (("keys", 0, lambda c: c[1] == 1.0), ("values", 1, lambda c: c[0] == fit["keys"])):
+        beyond = fit["beyond"][kind]
+        assert beyond == sorted([2.0, 1.0, 0.5][:len(beyond)])
+        on_line = {c[i]: nll for c, nll in tried.items() if line(c)}
+        assert set(on_line) == {*grid, *beyond}  # the grid, then one multiplier past its end at a time
+        assert fit[kind] == min(on_line, key=on_line.get)
+        walked = sorted(beyond, reverse=True)  # in the order tried: each one tried only if the one before it won
+        for before, after in zip([4.0, *walked], walked):
+            assert on_line[before] <= min(on_line[s] for s in on_line if s > before)
+        if fit[kind] != min(beyond):  # stopped because the loss rose, not because `extend` ran out
+            assert on_line[min(beyond)] >= on_line[fit[kind]]
+        assert (kind in fit["edges"]) == (fit[kind] == min(beyond))
+    with pytest.raises(ValueError, match="extend must be a non-negative integer"):
+        patchkv.fit_step_scales(model, weighted, ids, bits=12, extend=-1)
+
+
 def test_a_restricted_loss_reads_the_targets_and_the_unpatched_top_tokens(model, weighted):
     ids = calibration_ids(2, 40, seed=9)
     with torch.no_grad():
@@ -253,7 +282,8 @@ def test_fitting_another_budget_adds_a_set_and_keeps_the_first(model, fitted):
 def test_two_passes_search_the_keys_then_the_values_only(model, weighted):
     grid = (1.0, 2.0, 3.0)
     fit = patchkv.fit_step_scales(model, weighted, calibration_ids(2, 40, seed=9), bits=12, pool="global",
-                                  sink_tokens=2, window=4, grid=grid, passes=2).calibration["step_scale_fits"][-1]
+                                  sink_tokens=2, window=4, grid=grid, passes=2,
+                                  extend=0).calibration["step_scale_fits"][-1]
     tried = {(k, v) for k, v, _ in fit["tried"]}
     keys = min(grid, key=lambda k: next(nll for a, b, nll in fit["tried"] if (a, b) == (k, 1.0)))
     assert tried == {(k, 1.0) for k in grid} | {(keys, v) for v in grid} and fit["keys"] == keys
