@@ -154,6 +154,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     *(_coded(ratio, f"{ratio}x-span{span}", f"global pre-RoPE codes on bases across {span} layers, {ratio}x vs bf16",
              mode=f"pre_rope-span{span}", basis="layer", family=f"patchkv-span{span}")
       for span in SPANS for ratio in (8, 16, 32)),
+    *(_coded(ratio, f"{ratio}x-post-span{span}", f"global post-RoPE codes on bases across {span} layers, {ratio}x vs "
+             "bf16", mode=f"post_rope-span{span}", basis="layer", family=f"patchkv-post-span{span}")
+      for span in SPANS for ratio in (16, 32)),
     _coded(8, "8x-top256", "8x + decode over the best 256 latent tokens per KV head", extra=(patchkv.TopK(256, 16),)),
     _coded(8, "8x-post", "global post-RoPE codes, 8x vs bf16", mode="post_rope"),
     *(_salient(ratio, scorer) for ratio in (8, 16, 32) for scorer in (patchkv.Novelty, patchkv.CodeError,
@@ -193,19 +196,20 @@ def config(name: str) -> Config:
 
 class Artifacts(Mapping):
     """SmolLM2's artifacts by the name configurations ask for them (`Config.mode`), in `dtype`, each loaded the first
-    time it is asked for: "pre_rope" and "post_rope" (the shipped bases in `bases`), "pre_rope-spanS" (bases across S
-    layers, `span_artifact`, built the first time)."""
+    time it is asked for: "pre_rope" and "post_rope" (the shipped bases in `bases`), "pre_rope-spanS" and
+    "post_rope-spanS" (bases across S layers, `span_artifact`, built the first time)."""
 
     def __init__(self, dtype: torch.dtype, bases: Path = BASES):
         self.dtype, self.bases, self.loaded = dtype, bases, {}
-        self.names = ("pre_rope", "post_rope", *(f"pre_rope-span{span}" for span in SPANS))
+        self.names = ("pre_rope", "post_rope", *(f"{mode}-span{span}" for mode in ("pre_rope", "post_rope")
+                                                   for span in SPANS))
 
     def __getitem__(self, name: str) -> patchkv.Artifact:
         if name not in self.names:
             raise KeyError(name)
         if name not in self.loaded:
             mode, _, span = name.partition("-span")
-            file = span_artifact(int(span), self.bases) if span else self.bases / f"{mode}.safetensors"
+            file = span_artifact(int(span), self.bases, mode) if span else self.bases / f"{mode}.safetensors"
             self.loaded[name] = patchkv.Artifact.load(file).to_dtype(self.dtype)
         return self.loaded[name]
 
@@ -224,20 +228,20 @@ def load_artifacts(dtype: torch.dtype | None = None, bases: Path = BASES) -> Art
     return Artifacts(dtype or models_dtype(), bases)
 
 
-def span_artifact(span: int, bases: Path = BASES) -> Path:
-    """The shipped pre-RoPE artifact in `bases` with its layer bases calibrated across `span` layers (format version
+def span_artifact(span: int, bases: Path = BASES, mode: str = "pre_rope") -> Path:
+    """The shipped `mode` artifact in `bases` with its layer bases calibrated across `span` layers (format version
     7), in `SPAN_BASES`/span: built there the first time (`python -m evals calibrate --layer-bases-only
-    --layers-per-basis span --modes pre_rope`, 3 to 5 minutes on 2 cores, deterministic)."""
+    --layers-per-basis span --modes mode`, 3 to 6 minutes on 2 cores, deterministic)."""
     out = SPAN_BASES / str(span)
-    file = out / "pre_rope.safetensors"
+    file = out / f"{mode}.safetensors"
     if not file.exists():  # built beside, then moved in whole: an interrupted build leaves no file
         from .calibrate_smollm2 import main as calibrate
 
         print(f"building the bases across {span} layers into {file} (once)", flush=True)
         partial = SPAN_BASES / f"{span}.partial"
         partial.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(bases / "pre_rope.safetensors", partial / file.name)
-        calibrate(["--layer-bases-only", "--layers-per-basis", str(span), "--modes", "pre_rope", "--out", str(partial)])
+        shutil.copyfile(bases / file.name, partial / file.name)
+        calibrate(["--layer-bases-only", "--layers-per-basis", str(span), "--modes", mode, "--out", str(partial)])
         out.mkdir(exist_ok=True)
         (partial / file.name).replace(file)
         partial.rmdir()
