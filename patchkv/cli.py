@@ -247,15 +247,8 @@ def _step_top(flag: int | None, model) -> int | None:
 
 def _held_out_rows(texts: list[str], tokenizer, tokens: int) -> torch.Tensor:
     """`[2, tokens / 2]` ids from the end of the calibration text (the statistics read its beginning): the rows the
-    step scales are fitted on. Each row is the end of one of the last two texts long enough (the shipped mix
-    alternates prose and verse pieces, so one row of each), else both from the end of the text run together."""
+    step scales are fitted on."""
     length = max(64, tokens // 2)
-    rows = []
-    for text in reversed(texts):
-        ids = tokenizer(text[-8 * length:], add_special_tokens=False)["input_ids"]
-        rows += [ids[-length:]] if len(ids) >= length else []
-        if len(rows) == 2:
-            return torch.tensor(rows[::-1])
     tail, ids = "", []
     for text in reversed(texts):
         tail = text + "\n\n" + tail

@@ -276,22 +276,6 @@ def test_step_grid_reaches_the_fit_and_a_fit_at_its_edge_says_so(tmp_path, capsy
         assert_one_line_error(code, err, 2, "expected comma-separated step multipliers > 0")
 
 
-def test_step_scales_are_fitted_on_the_ends_of_the_last_two_texts():
-    """One row from the end of each of the last two texts long enough (the shipped mix: one prose, one verse),
-    else both from the end of the texts run together; too little text is one actionable error."""
-    def tokenizer(text, add_special_tokens=False):
-        return {"input_ids": list(text.encode())}
-
-    texts = ["p" * 500 + "P" * 200, "v" * 500 + "V" * 200, "short"]
-    rows = cli._held_out_rows(texts, tokenizer, 256)
-    assert rows.tolist() == [[ord("P")] * 128, [ord("V")] * 128]
-    text = "a" * 300 + "b" * 128 + "c" * 128
-    tail = list((text + "\n\n").encode())[-256:]  # texts are run together with a blank line after each
-    assert cli._held_out_rows([text], tokenizer, 256).tolist() == [tail[:128], tail[128:]]
-    with pytest.raises(ValueError, match="--step-tokens 256: the calibration text has only 204 tokens"):  # and 2 blank lines
-        cli._held_out_rows(["x" * 100, "y" * 100], tokenizer, 256)
-
-
 def test_retrieval_rows_are_refused_before_calibrating_when_they_cannot_be_measured(tmp_path, capsys,
                                                                                     fake_calibration):
     out = str(tmp_path / "r.safetensors")
