@@ -199,7 +199,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                       "tokens)", flush=True)
                 artifact = fit_step_scales(model, artifact, rows, bits=q.bits, pool=q.pool, context=q.context,
                                            sink_tokens=args.sink_tokens, window=args.window, chunk=args.step_chunk,
-                                           grid=args.step_grid or GRID, passes=2, top=_step_top(args.step_top, model))
+                                           grid=args.step_grid or GRID, passes=2, top=_step_top(args.step_top, model),
+                                           extend=args.step_extend)
                 note = _grid_edge_note(budget, artifact, q.bits, q.pool)
                 if note:
                     print(note, flush=True)
@@ -231,7 +232,8 @@ def _grid_edge_note(budget, artifact, bits: int, pool: str) -> str | None:
         wider |= {round(end * f, 4) for f in ((0.5, 0.625, 0.75, 0.875) if edge == "lowest" else (1.25, 1.5, 2.0))}
     found = ", ".join(f"{kind} {fit[kind]:g} ({edge})" for kind, edge in fit["edges"].items())
     return (f"note: {budget}'s step scales sit at the edge of the grid tried ({found}); the loss may fall further "
-            f"past it: --step-grid {','.join(f'{v:g}' for v in sorted(wider))} searches wider")
+            f"past it: --step-grid {','.join(f'{v:g}' for v in sorted(wider))} searches wider, --step-extend 3 "
+            "walks on from that end")
 
 
 def _step_top(flag: int | None, model) -> int | None:
@@ -471,6 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step-grid", type=step_grid, default=None,
                    help="step multipliers tried for keys and for values, comma-separated (default: those of "
                         "patchkv.step_scales.GRID, 1 to 1.75; a fit at either end of the grid says so)")
+    c.add_argument("--step-extend", type=non_negative_int, default=0,
+                   help="where a fitted scale wins at an end of the grid, try up to N more multipliers past it at the "
+                        "grid's spacing there, while the loss falls (default 0: the grid only; the loss moves little "
+                        "out there and may rank the scales unlike held-out text)")
     c.add_argument("--step-top", type=non_negative_int, default=None,
                    help="the step-scale loss reads the targets and each position's K likeliest tokens under the "
                         "unpatched model; 0: the whole vocabulary (default: 64 for a vocabulary of more than 65,536 "

@@ -252,10 +252,11 @@ def test_calibrate_writes_where_out_says(tmp_path, capsys, fake_calibration, tin
 
 
 def test_step_grid_reaches_the_fit_and_a_fit_at_its_edge_says_so(tmp_path, capsys, fake_calibration, monkeypatch):
-    grids = []
+    grids, extends = [], []
 
-    def fit(model, artifact, *a, bits, pool, grid, **k):  # keys at the grid's lowest, values inside it
+    def fit(model, artifact, *a, bits, pool, grid, extend, **k):  # keys at the grid's lowest, values inside it
         grids.append(grid)
+        extends.append(extend)
         out = copy.deepcopy(artifact)
         edges = patchkv.step_scales.grid_edges((grid[0], grid[1]), grid)
         out.calibration["step_scale_fits"] = [{"bits": bits, "pool": pool, "keys": grid[0], "values": grid[1],
@@ -264,12 +265,15 @@ def test_step_grid_reaches_the_fit_and_a_fit_at_its_edge_says_so(tmp_path, capsy
 
     monkeypatch.setattr(patchkv.step_scales, "fit_step_scales", fit)
     code, stdout, err = run_main(calibrate_argv(str(tmp_path / "a.safetensors")), capsys)
-    assert code == 0 and grids == [patchkv.step_scales.GRID] * 3, err
+    assert code == 0 and grids == [patchkv.step_scales.GRID] * 3 and extends == [0] * 3, err
     assert "note: 4x's step scales sit at the edge of the grid tried (keys 1 (lowest))" in stdout
     assert "--step-grid 0.5,0.625,0.75,0.875,1,1.25,1.5,1.75 searches wider" in stdout
     code, stdout, err = run_main([*calibrate_argv(str(tmp_path / "b.safetensors")), "--budgets", "8x",
                                   "--step-grid", "1,0.5,0.75,0.5"], capsys)
     assert code == 0 and grids[-1] == (0.5, 0.75, 1.0), err
+    code, _, err = run_main([*calibrate_argv(str(tmp_path / "e.safetensors")), "--budgets", "8x", "--step-extend", "2"],
+                            capsys)
+    assert code == 0 and extends[-1] == 2, err
     assert "note: 8x's step scales sit at the edge of the grid tried (keys 0.5 (lowest))" in stdout
     for bad in ("0,1", "1,x", "-1", "inf", ""):
         code, _, err = run_main([*calibrate_argv(str(tmp_path / "c.safetensors")), "--step-grid", bad], capsys)
