@@ -48,9 +48,21 @@ def test_the_suite_names_every_artifact_its_configurations_ask_for_and_loads_non
     assert {c.mode for c in CONFIGS.values() if c.budget is not None} <= set(artifacts)
     assert CONFIGS["16x-span5"].mode == "pre_rope-span5" and CONFIGS["16x-span5"].budget.basis == "layer"
     assert "pre_rope-span15" in artifacts and "pre_rope-span7" not in artifacts and not artifacts.loaded
+    assert CONFIGS["16x-post-span5"].mode == "post_rope-span5" and "post_rope-span5" in artifacts
     assert artifacts["pre_rope"].mode == "pre_rope" and list(artifacts.loaded) == ["pre_rope"]
     with pytest.raises(KeyError):
         artifacts["pre_rope-span7"]
+
+
+def test_a_span_artifact_is_kept_by_span_and_mode(tmp_path, monkeypatch):
+    """Built once into SPAN_BASES/S/{mode}.safetensors, then found there (not built again)."""
+    from evals import suite
+
+    monkeypatch.setattr(suite, "SPAN_BASES", tmp_path)
+    for mode in ("pre_rope", "post_rope"):
+        (tmp_path / "5").mkdir(exist_ok=True)
+        (tmp_path / "5" / f"{mode}.safetensors").write_bytes(b"built")
+        assert suite.span_artifact(5, mode=mode) == tmp_path / "5" / f"{mode}.safetensors"
 
 
 def test_an_axis_is_logarithmic_only_where_values_span_a_decade():
