@@ -110,10 +110,8 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
                     break
                 beyond = ends[0] * ends[0] / ends[1] if best[kind] == ends[0] else ends[-1] * ends[-1] / ends[-2]
                 beyond = round(beyond, 4)
-                searched[kind] = sorted({*ends, beyond})
+                searched[kind] = sorted({*ends, beyond})  # a beyond that loses is no longer best: the loop stops
                 best = min((best, at(kind, beyond)), key=lambda c: (loss(c), c))
-                if best[kind] != beyond:
-                    break
     out = with_step_scales(artifact, *best, bits=bits, pool=pool)
     fits = [f for f in artifact.calibration.get("step_scale_fits", []) if isinstance(f, dict)
             and (f.get("bits"), f.get("pool")) != (bits, pool)]
