@@ -155,7 +155,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
              mode=f"pre_rope-span{span}", basis="layer", family=f"patchkv-span{span}")
       for span in SPANS for ratio in (8, 16, 32)),
     # rotated keys share a basis across layers badly: +22.7% / +18.5% on the first two prose documents, worse than
-    # plain 16x, for decode at 2.0x plain 16x's at 8k where pre-RoPE spans take 3.1x (docs/results.md)
+    # plain 16x, for decode at 1.8x plain 16x's at 8k where pre-RoPE spans take 3.3x (throughput_post_spans.csv)
     _coded(16, "16x-post-span5", "global post-RoPE codes on bases across 5 layers, 16x vs bf16",
            mode="post_rope-span5", basis="layer", family="patchkv-post-span5"),
     _coded(8, "8x-top256", "8x + decode over the best 256 latent tokens per KV head", extra=(patchkv.TopK(256, 16),)),

@@ -271,10 +271,10 @@ def test_step_grid_reaches_the_fit_and_a_fit_at_its_edge_says_so(tmp_path, capsy
     code, stdout, err = run_main([*calibrate_argv(str(tmp_path / "b.safetensors")), "--budgets", "8x",
                                   "--step-grid", "1,0.5,0.75,0.5"], capsys)
     assert code == 0 and grids[-1] == (0.5, 0.75, 1.0), err
+    assert "note: 8x's step scales sit at the edge of the grid tried (keys 0.5 (lowest))" in stdout
     code, _, err = run_main([*calibrate_argv(str(tmp_path / "e.safetensors")), "--budgets", "8x", "--step-extend", "2"],
                             capsys)
     assert code == 0 and extends[-1] == 2, err
-    assert "note: 8x's step scales sit at the edge of the grid tried (keys 0.5 (lowest))" in stdout
     for bad in ("0,1", "1,x", "-1", "inf", ""):
         code, _, err = run_main([*calibrate_argv(str(tmp_path / "c.safetensors")), "--step-grid", bad], capsys)
         assert_one_line_error(code, err, 2, "expected comma-separated step multipliers > 0")
