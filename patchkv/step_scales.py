@@ -59,8 +59,9 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
                     chunk: int | None = None, grid: tuple[float, ...] = GRID, passes: int = 3, top: int | None = TOP,
                     extend: int = 0) -> Artifact:
     """A copy of `artifact` with step scales (format version 4) fitted for `Quantized(bits, pool, basis, context)`
-    (a budget's codes, `Budget.quantized`: `basis` "layer" codes on the artifact's layer bases, `context` prices
-    the pool of a model with sliding-window layers) behind
+    (a budget's codes, `Budget.quantized`: `basis` "layer" codes on the artifact's layer bases, its set stored
+    under (bits, pool) as every set is, so it replaces a per-head fit of the same bits; `context` prices the pool
+    of a model with sliding-window layers) behind
     `SinksWindow(sink_tokens, window)` on `input_ids` `[batch, seq]` (unpadded calibration text, held out from
     what you evaluate on), fed `chunk` tokens per forward (default: half the window, at least 1). `model` is
     the unpatched model the artifact was calibrated for. The search is coordinate-wise over `grid`: the keys'
