@@ -120,10 +120,10 @@ def fit_step_scales(model: nn.Module, artifact: Artifact, input_ids: torch.Tenso
         "bits": bits, "pool": pool, "basis": basis, "sink_tokens": sink_tokens, "window": window, "chunk": chunk,
         "tokens": int(input_ids.numel()), "keys": best[0], "values": best[1],
         "grid": list(grid), "extend": extend,
-        "beyond": {kind: [s for s in tried_kind if s not in grid] for kind, tried_kind in zip(KINDS, searched)
-                   if any(s not in grid for s in tried_kind)},
-        "edges": {kind: edge for i, kind in enumerate(KINDS)
-                  for found, edge in grid_edges(best, tuple(searched[i])).items() if found == kind},
+        "beyond": {kind: past for kind, tried_kind in zip(KINDS, searched)
+                   if (past := [s for s in tried_kind if s not in grid])},
+        "edges": {kind: edge for kind, tried_kind in zip(KINDS, searched)
+                  if (edge := grid_edges(best, tuple(tried_kind)).get(kind))},
         "loss_vocabulary": {"top": top, "tokens": int(vocabulary.numel()) if vocabulary is not None else None},
         "tried": [[k, v, round(nll, 6)] for (k, v), nll in sorted(tried.items())]}]
     return out
